@@ -1,0 +1,254 @@
+"""Backward pass: three kernels, no atomics, so every gradient is bitwise repeatable.
+
+With S = softmax_scale * Q K^T, P = exp(S - lse) (recomputed from the forward's logsumexp) and
+dO the output gradient, the gradients are
+
+    delta = rowsum(dO * O) - dlse                  (preprocess kernel; dlse = grad of the lse output)
+    dV    = P^T dO
+    dP    = dO V^T
+    dS    = P * (dP - delta)
+    dK    = softmax_scale * dS^T Q
+    dQ    = softmax_scale * dS K
+
+* ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
+  tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
+  in registers, never by expanding K/V in memory or by atomics.
+* ``_attn_bwd_dq_kernel``: one program per BLOCK_M query rows; it streams key tiles like the
+  forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).
+
+Both kernels visit only the tiles the causal mask leaves visible and mask only tiles that cross
+the diagonal or the sequence ends. Rows with lse = +inf (no visible key) get P = 0 and therefore
+zero gradients; query rows past the sequence end read lse = +inf and contribute nothing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import padded_head_dim, tile_config
+from .launch import LOG2E, bhs_strides, dot_precision, identity_wrap, is_interpreted, last_dim_contiguous
+from .tiles import mma, key_tile_range, load_row_stat, load_tile, query_tile_range, store_tile, tile_base, visible
+
+LOG2E_CONST: tl.constexpr = LOG2E
+
+
+@triton.jit(do_not_specialize=["seqlen_q"])
+def _attn_bwd_preprocess_kernel(
+    Out, DO, DLse, Delta,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    seqlen_q,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    o = load_tile(tile_base(Out, batch, head, stride_ob, stride_oh), start_m, stride_om, seqlen_q,
+                  BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    do = load_tile(tile_base(DO, batch, head, stride_dob, stride_doh), start_m, stride_dom, seqlen_q,
+                   BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    stat_offset = (batch * tl.num_programs(1) + head).to(tl.int64) * seqlen_q
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    if HAS_DLSE:
+        delta -= tl.load(DLse + stat_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(Delta + stat_offset + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_query_loop(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    offs_n, q_start, q_end, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
+    (rows = keys) so that every product lands directly in the key tile's accumulators."""
+    for start_m in range(q_start, q_end, BLOCK_M):
+        q = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E_CONST
+        scores_t = mma(k, tl.trans(q), None, DOT_PRECISION) * qk_scale_log2
+        p_t = tl.exp2(scores_t - lse_log2[None, :])
+        if MASKED:
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_k, causal_offset, IS_CAUSAL), p_t, 0.0)
+        do = load_tile(do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION)
+        delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
+        dp_t = mma(v, tl.trans(do), None, DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP_SIZE
+    causal_offset = seqlen_k - seqlen_q
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+
+    k = load_tile(tile_base(K, batch, kv_head, stride_kb, stride_kh), start_n, stride_kn, seqlen_k,
+                  BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
+    v = load_tile(tile_base(V, batch, kv_head, stride_vb, stride_vh), start_n, stride_vn, seqlen_k,
+                  BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    q_start, q_diag, q_tail = query_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+
+    for group_member in range(GROUP_SIZE):
+        head = kv_head * GROUP_SIZE + group_member
+        q_base = tile_base(Q, batch, head, stride_qb, stride_qh)
+        do_base = tile_base(DO, batch, head, stride_dob, stride_doh)
+        stat_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
+        lse_base = Lse + stat_offset
+        delta_base = Delta + stat_offset
+        dk, dv = _dkdv_query_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            offs_n, q_start, q_diag, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+        )
+        dk, dv = _dkdv_query_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            offs_n, q_diag, q_tail, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, DOT_PRECISION,
+        )
+        dk, dv = _dkdv_query_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            offs_n, q_tail, seqlen_q, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+        )
+
+    store_tile(tile_base(DK, batch, kv_head, stride_dkb, stride_dkh), dk * softmax_scale, start_n, stride_dkn,
+               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    store_tile(tile_base(DV, batch, kv_head, stride_dvb, stride_dvh), dv, start_n, stride_dvn,
+               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _dq_key_loop(
+    dq, q, do, lse_log2, delta,
+    k_base, v_base, stride_kn, stride_vn,
+    offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        k = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        v = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        scores = mma(q, tl.trans(k), None, DOT_PRECISION) * qk_scale_log2
+        p = tl.exp2(scores - lse_log2[:, None])
+        if MASKED:
+            p = tl.where(visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL), p, 0.0)
+        dp = mma(do, tl.trans(v), None, DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    kv_head = head // GROUP_SIZE
+    causal_offset = seqlen_k - seqlen_q
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+
+    q = load_tile(tile_base(Q, batch, head, stride_qb, stride_qh), start_m, stride_qm, seqlen_q,
+                  BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    do = load_tile(tile_base(DO, batch, head, stride_dob, stride_doh), start_m, stride_dom, seqlen_q,
+                   BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    stat_offset = (batch * tl.num_programs(1) + head).to(tl.int64) * seqlen_q
+    lse_log2 = load_row_stat(Lse + stat_offset, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E_CONST
+    delta = load_row_stat(Delta + stat_offset, start_m, seqlen_q, 0.0, BLOCK_M, True)
+    k_base = tile_base(K, batch, kv_head, stride_kb, stride_kh)
+    v_base = tile_base(V, batch, kv_head, stride_vb, stride_vh)
+    kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    dq = _dq_key_loop(
+        dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+        offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, DOT_PRECISION,
+    )
+    dq = _dq_key_loop(
+        dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+        offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+    )
+    store_tile(tile_base(DQ, batch, head, stride_dqb, stride_dqh), dq * softmax_scale, start_m, stride_dqm,
+               seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+
+
+def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dlse=None,
+                       wrap_kernel=identity_wrap):
+    """Gradients (dq, dk, dv) of ``attention_forward``; same layouts and conventions.
+
+    ``dlse`` is the gradient flowing into the logsumexp output, or None when it is unused.
+    """
+    dout, q, k, v, out = (last_dim_contiguous(t) for t in (dout, q, k, v, out))
+    lse = lse.contiguous()
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:  # nothing attends or nothing to attend to
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+
+    head_dim_pad = padded_head_dim(head_dim)
+    interpreted = is_interpreted(_attn_bwd_dq_kernel)
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
+    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, IS_CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype, interpreted))
+    scales = (softmax_scale, softmax_scale * LOG2E)
+
+    pre_block = 64 if not interpreted else 32
+    wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(seqlen_q, pre_block), num_heads, batch)](
+        out, dout, dlse.contiguous() if dlse is not None else delta, delta,
+        *bhs_strides(out), *bhs_strides(dout), seqlen_q,
+        BLOCK_M=pre_block, HAS_DLSE=dlse is not None, **common,
+    )
+
+    config = tile_config("bwd_dkdv", head_dim_pad, q.dtype, interpreted)
+    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, config.block_n), num_heads_kv, batch)](
+        q, k, v, dout, lse, delta, dk, dv,
+        *bhs_strides(q), *bhs_strides(k), *bhs_strides(v), *bhs_strides(dout),
+        *bhs_strides(dk), *bhs_strides(dv),
+        seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
+    )
+
+    config = tile_config("bwd_dq", head_dim_pad, q.dtype, interpreted)
+    wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, config.block_m), num_heads, batch)](
+        q, k, v, dout, lse, delta, dq,
+        *bhs_strides(q), *bhs_strides(k), *bhs_strides(v), *bhs_strides(dout), *bhs_strides(dq),
+        seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
+    )
+    return dq, dk, dv

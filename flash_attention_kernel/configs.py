@@ -1,0 +1,74 @@
+"""Launch configurations: tile sizes, warps and pipeline stages for each kernel.
+
+Configs are picked from a small fixed table keyed by the padded head dim and the element size;
+there is no run-time autotuning, so a new shape never pays for a tuning sweep and a new sequence
+length never recompiles (sequence lengths are plain runtime integers in every kernel).
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) the kernels run with small, deliberately unequal tiles
+(BLOCK_M != BLOCK_N) so that the small test sequences still cross several tiles, partial tiles and
+causal diagonals that do not fall on tile boundaries.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape of one kernel: BLOCK_M query rows x BLOCK_N key rows."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def launch_args(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dims are padded to a power of two (at least 16, the smallest tl.dot operand)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+_INTERPRETER = {
+    "fwd": TileConfig(64, 32, 4, 1),
+    "bwd_dkdv": TileConfig(32, 64, 4, 1),
+    "bwd_dq": TileConfig(64, 32, 4, 1),
+}
+
+# GPU table: (kernel, padded head dim) -> config for 2-byte inputs. An fp32 row is as large as a
+# 2-byte row of twice the head dim, so fp32 inputs take that config; fp32 at head dim 256 has its
+# own entries ("f32", kernel).
+_GPU = {
+    ("fwd", 16): TileConfig(128, 64, 4, 3),
+    ("fwd", 32): TileConfig(128, 64, 4, 3),
+    ("fwd", 64): TileConfig(128, 64, 4, 3),
+    ("fwd", 128): TileConfig(128, 64, 8, 3),
+    ("fwd", 256): TileConfig(64, 64, 8, 2),
+    ("f32", "fwd"): TileConfig(64, 32, 8, 2),
+    ("bwd_dkdv", 16): TileConfig(32, 128, 4, 3),
+    ("bwd_dkdv", 32): TileConfig(32, 128, 4, 3),
+    ("bwd_dkdv", 64): TileConfig(32, 128, 4, 3),
+    ("bwd_dkdv", 128): TileConfig(32, 128, 8, 2),
+    ("bwd_dkdv", 256): TileConfig(32, 64, 8, 1),
+    ("f32", "bwd_dkdv"): TileConfig(16, 32, 8, 1),
+    ("bwd_dq", 16): TileConfig(128, 32, 4, 3),
+    ("bwd_dq", 32): TileConfig(128, 32, 4, 3),
+    ("bwd_dq", 64): TileConfig(128, 32, 4, 3),
+    ("bwd_dq", 128): TileConfig(128, 32, 8, 2),
+    ("bwd_dq", 256): TileConfig(64, 32, 8, 1),
+    ("f32", "bwd_dq"): TileConfig(32, 16, 8, 1),
+}
+
+
+def tile_config(kernel: str, head_dim_pad: int, dtype: torch.dtype, interpreted: bool) -> TileConfig:
+    """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"}."""
+    if interpreted:
+        return _INTERPRETER[kernel]
+    if dtype == torch.float32:
+        if head_dim_pad == 256:
+            return _GPU[("f32", kernel)]
+        head_dim_pad *= 2
+    return _GPU[(kernel, head_dim_pad)]

@@ -1,0 +1,142 @@
+"""Forward pass: the FlashAttention-2 algorithm with an online softmax.
+
+One program owns BLOCK_M query rows of one (batch, head) and streams the keys and values of the
+matching KV head in BLOCK_N tiles, never materialising the (seqlen_q, seqlen_k) score matrix:
+
+    S    = (Q K_j^T) * softmax_scale * log2(e)      fp32, scaled after the dot (not pre-scaled Q)
+    m'   = max(m, rowmax(S))                        running row max, base 2
+    P    = exp2(S - m'),   alpha = exp2(m - m')
+    l    = l * alpha + rowsum(P)                    running row sum
+    acc  = acc * alpha + P V_j
+    O    = acc / l,        lse = (m + log2(l)) * ln(2)   natural-log logsumexp, as flash-attn returns
+
+Key tiles split in two loops. The first covers tiles every row of the block sees in full and runs
+without masks; the second covers the causal diagonal and the ragged sequence end with masks. With
+causal masking aligned bottom-right (row i sees keys j <= i + seqlen_k - seqlen_q), tiles above the
+diagonal are never visited.
+
+A row that sees no key (bottom-right causal with seqlen_q > seqlen_k, or seqlen_k == 0) keeps
+m = -inf and l = 0. The masked loop then uses 0 as its exp2 pivot, so no (-inf) - (-inf) NaN
+appears, and the row ends with O = 0 and lse = +inf, which makes every backward probability
+exp(s - lse) exactly 0.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import padded_head_dim, tile_config
+from .launch import LOG2E, bhs_strides, dot_precision, identity_wrap, is_interpreted, last_dim_contiguous
+from .tiles import mma, key_tile_range, load_tile, store_tile, tile_base, visible
+
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _fwd_kv_loop(
+    acc, row_sum, row_max, q,
+    k_base, v_base, stride_kn, stride_vn,
+    offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        k = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        scores = mma(q, tl.trans(k), None, DOT_PRECISION) * qk_scale_log2
+        if MASKED:
+            mask = visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL)
+            scores = tl.where(mask, scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+        else:
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            pivot = new_max
+        p = tl.exp2(scores - pivot[:, None])
+        alpha = tl.exp2(row_max - pivot)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    seqlen_q, seqlen_k, qk_scale_log2,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    kv_head = head // GROUP_SIZE
+    causal_offset = seqlen_k - seqlen_q
+
+    q_base = tile_base(Q, batch, head, stride_qb, stride_qh)
+    k_base = tile_base(K, batch, kv_head, stride_kb, stride_kh)
+    v_base = tile_base(V, batch, kv_head, stride_vb, stride_vh)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+
+    kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, row_sum, row_max = _fwd_kv_loop(
+        acc, row_sum, row_max, q, k_base, v_base, stride_kn, stride_vn,
+        offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, DOT_PRECISION,
+    )
+    acc, row_sum, row_max = _fwd_kv_loop(
+        acc, row_sum, row_max, q, k_base, v_base, stride_kn, stride_vn,
+        offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+    )
+
+    empty_row = row_sum == 0.0
+    out = acc / tl.where(empty_row, 1.0, row_sum)[:, None]
+    o_base = tile_base(Out, batch, head, stride_ob, stride_oh)
+    store_tile(o_base, out, start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+    lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(row_sum)) * LN2)
+    lse_base = Lse + (batch * tl.num_programs(1) + head).to(tl.int64) * seqlen_q
+    tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+def attention_forward(q, k, v, softmax_scale: float, causal: bool, wrap_kernel=identity_wrap):
+    """Attention forward on (batch, seqlen, heads, head_dim) tensors.
+
+    q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0; any strides with the last dim
+    contiguous (other tensors are copied). Returns (out like q, lse (B, Hq, Sq) fp32, natural log).
+    ``wrap_kernel`` wraps each Triton kernel before launch (torch.library.wrap_triton lets
+    torch.compile trace the launch). Inputs are assumed validated by the caller.
+    """
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.numel() == 0:  # no keys: every row is empty
+        return out.zero_(), lse.fill_(float("inf"))
+
+    head_dim_pad = padded_head_dim(head_dim)
+    interpreted = is_interpreted(_attn_fwd_kernel)
+    config = tile_config("fwd", head_dim_pad, q.dtype, interpreted)
+    grid = (triton.cdiv(seqlen_q, config.block_m), num_heads, batch)
+    wrap_kernel(_attn_fwd_kernel)[grid](
+        q, k, v, out, lse,
+        *bhs_strides(q), *bhs_strides(k), *bhs_strides(v), *bhs_strides(out),
+        seqlen_q, seqlen_k, softmax_scale * LOG2E,
+        GROUP_SIZE=num_heads // num_heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        IS_CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype, interpreted),
+        **config.launch_args(),
+    )
+    return out, lse

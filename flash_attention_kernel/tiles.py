@@ -1,0 +1,160 @@
+"""Tile loads, stores and masks shared by the forward and backward kernels.
+
+Every tensor the kernels touch is addressed as ``base + row * row_stride + col`` inside one
+(batch, head) slice, with the last (head) dimension contiguous. Two rules keep that safe:
+
+* 64-bit offsets. ``program_id`` and ``arange`` are int32, so ``row * stride`` silently wraps once
+  a slice or the whole tensor passes 2**31 elements. The per-(batch, head) base and the first row
+  of a tile are therefore offset in int64 (``tile_base``); only the small in-tile offsets stay int32.
+* Masks only where needed. ``CHECK_ROWS`` (a tile that may cross the sequence end) and a padded head
+  dim (``HEAD_DIM < HEAD_DIM_PAD``: head dims are padded to a power of two for ``tl.dot``) are
+  compile-time flags, so tiles in the interior of the sequence compile to unmasked loads.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_base(base_ptr, batch, head, stride_batch, stride_head):
+    """Pointer to row 0 of one (batch, head) slice, offset in int64."""
+    return base_ptr + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+
+
+@triton.jit
+def _tile_ptrs_and_mask(
+    base_ptr,
+    start_row,
+    stride_row,
+    num_rows,
+    BLOCK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, HEAD_DIM_PAD)
+    ptrs = base_ptr + tl.cast(start_row, tl.int64) * stride_row + (rows[:, None] * stride_row + cols[None, :])
+    # Both masks are always formed; the callers use them only under their compile-time flags,
+    # and an unused mask is dead code that the compiler drops.
+    mask = ((start_row + rows)[:, None] < num_rows) & (cols[None, :] < HEAD_DIM)
+    return ptrs, mask
+
+
+@triton.jit
+def load_tile(
+    base_ptr,
+    start_row,
+    stride_row,
+    num_rows,
+    BLOCK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
+    """Load rows [start_row, start_row + BLOCK_ROWS) x [0, HEAD_DIM_PAD) of a slice; zeros outside."""
+    ptrs, mask = _tile_ptrs_and_mask(
+        base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, HEAD_DIM, HEAD_DIM_PAD
+    )
+    if CHECK_ROWS or HEAD_DIM < HEAD_DIM_PAD:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def store_tile(
+    base_ptr,
+    tile,
+    start_row,
+    stride_row,
+    num_rows,
+    BLOCK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Store a (BLOCK_ROWS, HEAD_DIM_PAD) tile, dropping rows past num_rows and padded columns."""
+    ptrs, mask = _tile_ptrs_and_mask(
+        base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, HEAD_DIM, HEAD_DIM_PAD
+    )
+    tl.store(ptrs, tile.to(base_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_row_stat(base_ptr, start_row, num_rows, fill, BLOCK_ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a per-query-row fp32 statistic (logsumexp, delta); rows past num_rows read ``fill``."""
+    rows = start_row + tl.arange(0, BLOCK_ROWS)
+    if CHECK_ROWS:
+        return tl.load(base_ptr + rows, mask=rows < num_rows, other=fill)
+    else:
+        return tl.load(base_ptr + rows)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``a @ b + acc`` with fp32 accumulation (acc may be None).
+
+    DOT_PRECISION is "ieee" for fp32 inputs (full fp32, never TF32), "tf32" (ignored) for 2-byte
+    inputs, or "bf16_as_fp32": Triton's CPU interpreter multiplies bf16 tiles as raw uint16 and gets
+    garbage, so there bf16 operands are widened to fp32 first. bf16 x bf16 products are exact in
+    fp32, so this matches the tensor-core result up to summation order.
+    """
+    if DOT_PRECISION == "bf16_as_fp32":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def visible(q_idx, k_idx, seqlen_k, causal_offset, IS_CAUSAL: tl.constexpr):
+    """Mask of the score entries a query row may attend to, broadcast from query and key indices.
+
+    Keys past the sequence end are never visible (a zero-filled key would otherwise score 0, not
+    -inf). With causal masking, aligned to the bottom-right corner as in flash-attn, query row i sees
+    key j iff j <= i + (seqlen_k - seqlen_q) = i + causal_offset.
+    """
+    mask = k_idx < seqlen_k
+    if IS_CAUSAL:
+        mask = mask & (k_idx <= q_idx + causal_offset)
+    return mask
+
+
+@triton.jit
+def key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Key range [0, end) that query rows [start_m, start_m + BLOCK_M) attend to, and the prefix
+    [0, full) (a multiple of BLOCK_N) of key tiles that every row of the block sees in full.
+
+    Under causal masking the last row of the block sees keys up to start_m + BLOCK_M - 1 + offset
+    and its first row, hence every row, keys up to start_m + offset.
+    """
+    if IS_CAUSAL:
+        causal_offset = seqlen_k - seqlen_q
+        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
+        full = tl.maximum(tl.minimum(seqlen_k, start_m + causal_offset + 1), 0)
+    else:
+        end = seqlen_k
+        full = seqlen_k
+    return (full // BLOCK_N) * BLOCK_N, end
+
+
+@triton.jit
+def query_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Query tiles that see keys [start_n, start_n + BLOCK_N), split in three ranges:
+    [start, diag) crosses the causal diagonal (masked), [diag, tail) sees the key tile in full
+    (unmasked), [tail, seqlen_q) is the ragged last query tile (masked). All bounds but seqlen_q are
+    multiples of BLOCK_M; empty ranges have start >= end.
+
+    Under causal masking, query row i sees key start_n iff i >= start_n - offset and sees the whole
+    key tile iff i >= start_n + BLOCK_N - 1 - offset. Values are clamped at 0 before dividing, so
+    the integer division never sees a negative operand.
+    """
+    seqlen_q_ceil = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        causal_offset = seqlen_k - seqlen_q
+        start = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
+        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+        diag = tl.minimum(tl.maximum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, start), seqlen_q_ceil)
+    else:
+        start = 0
+        diag = 0
+    tail = tl.maximum(diag, (seqlen_q // BLOCK_M) * BLOCK_M)
+    return start, diag, tail
