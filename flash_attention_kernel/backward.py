@@ -26,8 +26,10 @@ import triton
 import triton.language as tl
 
 from .configs import padded_head_dim, tile_config
-from .launch import LOG2E, bhs_strides, dot_precision, identity_wrap, is_interpreted, last_dim_contiguous
-from .tiles import mma, key_tile_range, load_row_stat, load_tile, query_tile_range, store_tile, tile_base, visible
+from .launch import LOG2E, bhs_strides, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .tiles import (
+    key_tile_range, load_row_stat, load_tile, mma, query_tile_range, round_to, store_tile, tile_base, visible,
+)
 
 LOG2E_CONST: tl.constexpr = LOG2E
 
@@ -61,24 +63,24 @@ def _dkdv_query_loop(
     q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
     offs_n, q_start, q_end, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
     (rows = keys) so that every product lands directly in the key tile's accumulators."""
     for start_m in range(q_start, q_end, BLOCK_M):
         q = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, MASKED)
         lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E_CONST
-        scores_t = mma(k, tl.trans(q), None, DOT_PRECISION) * qk_scale_log2
+        scores_t = mma(k, tl.trans(q), None, PRECISION) * qk_scale_log2
         p_t = tl.exp2(scores_t - lse_log2[None, :])
         if MASKED:
             offs_m = start_m + tl.arange(0, BLOCK_M)
             p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_k, causal_offset, IS_CAUSAL), p_t, 0.0)
         do = load_tile(do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION)
+        dv = mma(round_to(p_t, do.dtype, PRECISION), do, dv, PRECISION)
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
-        dp_t = mma(v, tl.trans(do), None, DOT_PRECISION)
+        dp_t = mma(v, tl.trans(do), None, PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION)
+        dk = mma(round_to(ds_t, q.dtype, PRECISION), q, dk, PRECISION)
     return dk, dv
 
 
@@ -94,7 +96,7 @@ def _attn_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
@@ -121,23 +123,23 @@ def _attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_query_loop(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             offs_n, q_start, q_diag, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
         )
         dk, dv = _dkdv_query_loop(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             offs_n, q_diag, q_tail, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, DOT_PRECISION,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, PRECISION,
         )
         dk, dv = _dkdv_query_loop(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             offs_n, q_tail, seqlen_q, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
         )
 
     store_tile(tile_base(DK, batch, kv_head, stride_dkb, stride_dkh), dk * softmax_scale, start_n, stride_dkn,
-               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
     store_tile(tile_base(DV, batch, kv_head, stride_dvb, stride_dvh), dv, start_n, stride_dvn,
-               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
 
 
 @triton.jit
@@ -146,20 +148,20 @@ def _dq_key_loop(
     k_base, v_base, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
         k = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
         v = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        scores = mma(q, tl.trans(k), None, DOT_PRECISION) * qk_scale_log2
+        scores = mma(q, tl.trans(k), None, PRECISION) * qk_scale_log2
         p = tl.exp2(scores - lse_log2[:, None])
         if MASKED:
             p = tl.where(visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL), p, 0.0)
-        dp = mma(do, tl.trans(v), None, DOT_PRECISION)
+        dp = mma(do, tl.trans(v), None, PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = mma(ds.to(k.dtype), k, dq, DOT_PRECISION)
+        dq = mma(round_to(ds, k.dtype, PRECISION), k, dq, PRECISION)
     return dq
 
 
@@ -174,7 +176,7 @@ def _attn_bwd_dq_kernel(
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
@@ -198,15 +200,15 @@ def _attn_bwd_dq_kernel(
     dq = _dq_key_loop(
         dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, PRECISION,
     )
     dq = _dq_key_loop(
         dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
         offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
     )
     store_tile(tile_base(DQ, batch, head, stride_dqb, stride_dqh), dq * softmax_scale, start_m, stride_dqm,
-               seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+               seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dlse=None,
@@ -227,7 +229,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     head_dim_pad = padded_head_dim(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
-    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, IS_CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype, interpreted))
+    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, IS_CAUSAL=causal, PRECISION=precision_mode(q.dtype, interpreted))
     scales = (softmax_scale, softmax_scale * LOG2E)
 
     pre_block = 64 if not interpreted else 32

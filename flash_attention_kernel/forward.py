@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .configs import padded_head_dim, tile_config
-from .launch import LOG2E, bhs_strides, dot_precision, identity_wrap, is_interpreted, last_dim_contiguous
-from .tiles import mma, key_tile_range, load_tile, store_tile, tile_base, visible
+from .launch import LOG2E, bhs_strides, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .tiles import key_tile_range, load_tile, mma, round_to, store_tile, tile_base, visible
 
 LN2: tl.constexpr = 0.6931471805599453
 
@@ -38,12 +38,12 @@ def _fwd_kv_loop(
     k_base, v_base, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
         k = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        scores = mma(q, tl.trans(k), None, DOT_PRECISION) * qk_scale_log2
+        scores = mma(q, tl.trans(k), None, PRECISION) * qk_scale_log2
         if MASKED:
             mask = visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL)
             scores = tl.where(mask, scores, float("-inf"))
@@ -56,7 +56,7 @@ def _fwd_kv_loop(
         alpha = tl.exp2(row_max - pivot)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         v = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+        acc = mma(round_to(p, v.dtype, PRECISION), v, acc * alpha[:, None], PRECISION)
         row_max = new_max
     return acc, row_sum, row_max
 
@@ -71,7 +71,7 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
@@ -92,18 +92,18 @@ def _attn_fwd_kernel(
     acc, row_sum, row_max = _fwd_kv_loop(
         acc, row_sum, row_max, q, k_base, v_base, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, PRECISION,
     )
     acc, row_sum, row_max = _fwd_kv_loop(
         acc, row_sum, row_max, q, k_base, v_base, stride_kn, stride_vn,
         offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
     )
 
     empty_row = row_sum == 0.0
     out = acc / tl.where(empty_row, 1.0, row_sum)[:, None]
     o_base = tile_base(Out, batch, head, stride_ob, stride_oh)
-    store_tile(o_base, out, start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+    store_tile(o_base, out, start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
     lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(row_sum)) * LN2)
     lse_base = Lse + (batch * tl.num_programs(1) + head).to(tl.int64) * seqlen_q
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
@@ -136,7 +136,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, wrap_kernel=i
         *bhs_strides(q), *bhs_strides(k), *bhs_strides(v), *bhs_strides(out),
         seqlen_q, seqlen_k, softmax_scale * LOG2E,
         GROUP_SIZE=num_heads // num_heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        IS_CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype, interpreted),
+        IS_CAUSAL=causal, PRECISION=precision_mode(q.dtype, interpreted),
         **config.launch_args(),
     )
     return out, lse

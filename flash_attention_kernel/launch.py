@@ -24,13 +24,13 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
-    """DOT_PRECISION for ``tiles.mma``: fp32 inputs are multiplied in full fp32 ("ieee"), never
-    silently in TF32; bf16 under the interpreter takes its fp32 workaround."""
+def precision_mode(dtype: torch.dtype, interpreted: bool) -> str:
+    """PRECISION for ``tiles.mma`` / ``tiles.round_to``: fp32 inputs are multiplied in full fp32
+    ("ieee"), never silently in TF32; bf16 under the interpreter takes its emulation."""
     if dtype == torch.float32:
         return "ieee"
     if dtype == torch.bfloat16 and interpreted:
-        return "bf16_as_fp32"
+        return "bf16_emulated"
     return "tf32"
 
 

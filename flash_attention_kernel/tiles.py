@@ -71,12 +71,14 @@ def store_tile(
     BLOCK_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Store a (BLOCK_ROWS, HEAD_DIM_PAD) tile, dropping rows past num_rows and padded columns."""
     ptrs, mask = _tile_ptrs_and_mask(
         base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, HEAD_DIM, HEAD_DIM_PAD
     )
-    tl.store(ptrs, tile.to(base_ptr.dtype.element_ty), mask=mask)
+    element_type: tl.constexpr = base_ptr.dtype.element_ty
+    tl.store(ptrs, round_to(tile, element_type, PRECISION).to(element_type), mask=mask)
 
 
 @triton.jit
@@ -90,18 +92,34 @@ def load_row_stat(base_ptr, start_row, num_rows, fill, BLOCK_ROWS: tl.constexpr,
 
 
 @triton.jit
-def mma(a, b, acc, DOT_PRECISION: tl.constexpr):
+def mma(a, b, acc, PRECISION: tl.constexpr):
     """``a @ b + acc`` with fp32 accumulation (acc may be None).
 
-    DOT_PRECISION is "ieee" for fp32 inputs (full fp32, never TF32), "tf32" (ignored) for 2-byte
-    inputs, or "bf16_as_fp32": Triton's CPU interpreter multiplies bf16 tiles as raw uint16 and gets
+    PRECISION is "ieee" for fp32 inputs (full fp32, never TF32), "tf32" (ignored) for 2-byte inputs,
+    or "bf16_emulated": Triton's CPU interpreter multiplies bf16 tiles as raw uint16 and gets
     garbage, so there bf16 operands are widened to fp32 first. bf16 x bf16 products are exact in
     fp32, so this matches the tensor-core result up to summation order.
     """
-    if DOT_PRECISION == "bf16_as_fp32":
+    if PRECISION == "bf16_emulated":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (to feed a matmul or a store), round-to-nearest-even.
+
+    Under "bf16_emulated" (the CPU interpreter, whose fp32 -> bf16 cast truncates) the rounding is
+    done on the bits and the result stays fp32, holding exactly a bf16 value: ``mma`` takes it as
+    it is and a store's cast then drops only zero bits.
+    """
+    if PRECISION == "bf16_emulated":
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit

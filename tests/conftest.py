@@ -1,0 +1,52 @@
+"""Test setup: pick the device, build the Hub variant, load it through ``kernels``.
+
+With a CUDA GPU the suite runs there at GPU sizes; without one it runs on CPU through Triton's
+interpreter at small sizes. TRITON_INTERPRET must be set before triton is first imported, which
+``import kernels`` does, so it is decided here, right after importing torch (which does not).
+
+The package under test is always the built variant (scripts/build_variants.py into a temporary
+folder, loaded with kernels.get_local_kernel), never the source tree.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+    assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET could be set"
+
+import kernels  # noqa: E402  (imports triton)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import build_variants  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory) -> Path:
+    return build_variants.build(out_dir=tmp_path_factory.mktemp("build"))
+
+
+@pytest.fixture(scope="session")
+def fa(build_dir):
+    """The flash-attention module, loaded from the built variant."""
+    return kernels.get_local_kernel(build_dir)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def pytest_report_header(config):
+    where = torch.cuda.get_device_name() if ON_GPU else "CPU, Triton interpreter (TRITON_INTERPRET=1)"
+    import triton
+
+    return f"flash-attention tests on {where}; torch {torch.__version__}, triton {triton.__version__}"
