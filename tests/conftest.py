@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
+from sizes import DEVICE, ON_GPU
+
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET could be set"
@@ -26,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import build_variants  # noqa: E402
 
-DEVICE = "cuda" if ON_GPU else "cpu"
+__all__ = ["DEVICE", "ON_GPU", "REPO_ROOT"]
 
 
 @pytest.fixture(scope="session")

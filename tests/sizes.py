@@ -4,9 +4,13 @@ Both sets keep the awkward shapes: sequence lengths that are no multiple of any 
 seqlen_q != seqlen_k both ways, head dims that are not powers of two, GQA/MQA ratios.
 """
 
+import os
+
 import torch
 
-ON_GPU = torch.cuda.is_available()
+# The GPU when there is one, unless the interpreter was asked for explicitly.
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

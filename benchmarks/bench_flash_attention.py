@@ -1,0 +1,161 @@
+"""Forward and backward TFLOP/s of this kernel against PyTorch's attention backends, in one run.
+
+Peers, timed in the same process on the same inputs: SDPA with the FLASH (FlashAttention-2),
+CUDNN and EFFICIENT backends, and FlexAttention compiled by torch.compile (Dynamo's recompile
+limit is raised so every shape really compiles instead of silently falling back to eager).
+
+Grid (flash-attn's benchmark): batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / head_dim),
+head dim 64 and 128, seqlen 512 to 16k, causal and not, bf16 and fp16. Layout (batch, heads,
+seqlen, head_dim) for everyone. Times are triton.testing.do_bench medians; backward is timed
+alone (the forward graph is kept). FLOPs: forward 4 * B * H * N^2 * d, halved when causal;
+backward 2.5x forward (5 matmuls; this kernel's atomic-free backward really does 7).
+
+Writes one CSV and PNG per (direction, dtype, head dim, mask) to --out, and prints a table of
+TFLOP/s with this kernel's ratio to each peer. The kernel is loaded as users load it: the built
+Hub variant through ``kernels`` (run scripts/build_variants.py first).
+
+Usage: python benchmarks/bench_flash_attention.py [--quick] [--out benchmarks/results]
+"""
+
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENS, HIDDEN = 16384, 2048
+SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+PEERS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+         "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+PROVIDERS = ["triton-fa", *PEERS, "flex"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_kernel():
+    import kernels
+
+    return kernels.get_local_kernel(REPO_ROOT / "build")
+
+
+def attention_flops(batch, heads, seqlen, head_dim, causal, direction):
+    flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return flops * (2.5 if direction == "bwd" else 1.0)
+
+
+class Attention:
+    """Builds the callable each provider runs for one shape."""
+
+    def __init__(self, fa):
+        self.fa = fa
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch._dynamo.config.recompile_limit = 10_000
+        torch._dynamo.config.accumulated_recompile_limit = 10_000
+        self.flex = torch.compile(flex_attention, dynamic=False)
+        self.create_block_mask = create_block_mask
+
+    def forward_fn(self, provider, q, k, v, causal):
+        if provider == "triton-fa":
+            return lambda: self.fa.flash_attention_forward(q, k, v, causal=causal)
+        if provider == "flex":
+            seqlen = q.shape[2]
+            mask = self.create_block_mask(lambda b, h, i, j: i >= j, None, None, seqlen, seqlen) if causal else None
+            return lambda: self.flex(q, k, v, block_mask=mask)
+        backend = PEERS[provider]
+
+        def sdpa():
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return sdpa
+
+
+def bench_one(attention, provider, direction, dtype, head_dim, causal, seqlen):
+    batch, heads = TOKENS // seqlen, HIDDEN // head_dim
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    try:
+        forward = attention.forward_fn(provider, q, k, v, causal)
+        if direction == "fwd":
+            fn = forward
+        else:
+            out = forward()
+            dout = torch.randn_like(out)
+            fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+        fn()
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except RuntimeError as error:  # a backend without a kernel for this shape/dtype
+        print(f"  {provider} {direction} {dtype} d{head_dim} N{seqlen}: unavailable ({str(error).splitlines()[0]})")
+        return float("nan")
+    return attention_flops(batch, heads, seqlen, head_dim, causal, direction) / ms * 1e-9
+
+
+def make_benchmarks(args):
+    return [
+        triton.testing.Benchmark(
+            x_names=["seqlen"], x_vals=args.seqlens, line_arg="provider", line_vals=PROVIDERS, line_names=PROVIDERS,
+            ylabel="TFLOP/s", plot_name=f"{direction}-{dtype}-d{head_dim}-{'causal' if causal else 'full'}",
+            args=dict(direction=direction, dtype=dtype, head_dim=head_dim, causal=causal),
+        )
+        for direction in args.directions for dtype in args.dtypes for head_dim in args.head_dims
+        for causal in (False, True)
+    ]
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=SEQLENS)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    parser.add_argument("--quick", action="store_true", help="bf16, head dim 128, seqlens 1k/4k/16k only")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.head_dims, args.dtypes = [1024, 4096, 16384], [128], ["bf16"]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    attention = Attention(load_kernel())
+    rows = []
+    for benchmark in make_benchmarks(args):
+        settings = benchmark.args
+
+        @triton.testing.perf_report(benchmark)
+        def report(seqlen, provider, direction, dtype, head_dim, causal):
+            return bench_one(attention, provider, direction, DTYPES[dtype], head_dim, causal, seqlen)
+
+        frames = report.run(save_path=str(args.out), print_data=False, return_df=True)
+        frame = frames[0] if isinstance(frames, list) else frames
+        for record in frame.to_dict("records"):
+            tflops = {p: float(record[f"{p} (TFLOP/s)"]) for p in PROVIDERS}
+            rows.append({**settings, "seqlen": int(record["seqlen"]), **tflops})
+        print_rows([r for r in rows if all(r[key] == value for key, value in settings.items())])
+
+    summary = args.out / "summary.csv"
+    with summary.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\nwrote {summary} and one CSV/PNG per table to {args.out}")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+
+
+def print_rows(rows):
+    first = rows[0]
+    print(f"\n{first['direction']} {first['dtype']} d={first['head_dim']} {'causal' if first['causal'] else 'non-causal'}"
+          " (TFLOP/s; ratio = triton-fa / peer)")
+    print(f"{'seqlen':>6} " + " ".join(f"{p:>14}" for p in PROVIDERS) + " " + " ".join(f"{'x' + p:>16}" for p in PROVIDERS[1:]))
+    for row in rows:
+        ratios = [row["triton-fa"] / row[p] if row[p] and not math.isnan(row[p]) else float("nan") for p in PROVIDERS[1:]]
+        print(f"{row['seqlen']:>6} " + " ".join(f"{row[p]:>14.1f}" for p in PROVIDERS) + " "
+              + " ".join(f"{r:>16.2f}" for r in ratios))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

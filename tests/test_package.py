@@ -1,0 +1,84 @@
+"""The Hub package: build.toml, the built variants, loading through kernels."""
+
+import json
+
+import kernels
+import pytest
+import torch
+
+from conftest import DEVICE, REPO_ROOT
+
+KERNEL_FILES = sorted(p.name for p in (REPO_ROOT / "flash_attention_kernel").glob("*.py"))
+
+
+def _repo_id() -> str:
+    import tomllib
+
+    return tomllib.loads((REPO_ROOT / "build.toml").read_text())["general"]["hub"]["repo-id"]
+
+
+def test_build_toml_parses_with_kernels():
+    """kernels' own (kernel-builder's) parser accepts build.toml as a CUDA noarch kernel."""
+    from kernels._rust import Backend, Build
+
+    build = Build.open(REPO_ROOT)
+    assert build.general.backends == [Backend.CUDA]
+    import tomllib
+
+    general = tomllib.loads((REPO_ROOT / "build.toml").read_text())["general"]
+    assert "triton" not in general.get("python-depends", []), "listing triton makes loading fail"
+
+
+def test_torch_ext_links_every_kernel_file():
+    """torch-ext/flash_attention/flash_attention_kernel/ links each kernel file (one source of truth)."""
+    linked = REPO_ROOT / "torch-ext" / "flash_attention" / "flash_attention_kernel"
+    assert sorted(p.name for p in linked.iterdir()) == KERNEL_FILES
+    for name in KERNEL_FILES:
+        assert (linked / name).is_symlink()
+        assert (linked / name).resolve() == (REPO_ROOT / "flash_attention_kernel" / name).resolve()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_built_variant(build_dir, backend):
+    variant = build_dir / f"torch-{backend}"
+    files = {p.relative_to(variant).as_posix() for p in variant.rglob("*") if p.is_file()}
+    assert {"__init__.py", "_ops.py", "metadata.json", "interface.py", "torch_ops.py"} <= files
+    assert {f"flash_attention_kernel/{name}" for name in KERNEL_FILES} <= files
+    assert not any(p.is_symlink() for p in variant.rglob("*")), "variants hold real files only"
+    assert not any("__pycache__" in f or f.endswith(".pyc") for f in files)
+    metadata = json.loads((variant / "metadata.json").read_text())
+    assert metadata["name"] == "flash-attention" and metadata["version"] == 1
+    assert metadata["backend"] == {"type": backend} and metadata["python-depends"] == []
+    assert metadata["id"].startswith(f"_flash_attention_{backend}_") and metadata["id"].isidentifier()
+    assert f'"{metadata["id"]}"' in (variant / "_ops.py").read_text()
+    from kernels._rust import Metadata
+
+    assert Metadata.read_from_file(variant / "metadata.json").id == metadata["id"]
+
+
+def test_relative_imports_only():
+    """The loader imports the package under a unique name: no absolute self-imports."""
+    import ast
+
+    own_names = {"flash_attention", "flash_attention_kernel", "torch_ext"}
+    for path in (REPO_ROOT / "torch-ext" / "flash_attention").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            assert not roots & own_names, f"{path}:{node.lineno} imports the package absolutely"
+
+
+def test_get_kernel_with_local_kernels(build_dir, monkeypatch):
+    """LOCAL_KERNELS=<org>/flash-attention=<build> + get_kernel(..., version=1), offline."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"{_repo_id()}={build_dir}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    module = kernels.get_kernel(_repo_id(), version=1)
+    assert set(module.__all__) >= {"flash_attn_func", "flash_attention_forward", "ops"}
+    q = torch.randn(1, 17, 2, 32, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    out = module.flash_attn_func(q, q, q, causal=True)
+    out.sum().backward()
+    assert out.shape == q.shape and torch.isfinite(q.grad).all()
