@@ -31,7 +31,7 @@ from .tiles import (
     key_tile_range, load_row_stat, load_tile, mma, query_tile_range, round_to, store_tile, tile_base, visible,
 )
 
-LOG2E_CONST: tl.constexpr = LOG2E
+LOG2E_CONST = tl.constexpr(LOG2E)
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])

@@ -29,7 +29,7 @@ from .configs import padded_head_dim, tile_config
 from .launch import LOG2E, bhs_strides, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
 from .tiles import key_tile_range, load_tile, mma, round_to, store_tile, tile_base, visible
 
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
