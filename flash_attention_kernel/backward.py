@@ -103,6 +103,8 @@ def _attn_bwd_dkdv_kernel(
     batch = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP_SIZE
     causal_offset = seqlen_k - seqlen_q
+    softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_n = start_n + tl.arange(0, BLOCK_N)
 
     k = load_tile(tile_base(K, batch, kv_head, stride_kb, stride_kh), start_n, stride_kn, seqlen_k,
@@ -183,6 +185,8 @@ def _attn_bwd_dq_kernel(
     batch = tl.program_id(2)
     kv_head = head // GROUP_SIZE
     causal_offset = seqlen_k - seqlen_q
+    softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
     q = load_tile(tile_base(Q, batch, head, stride_qb, stride_qh), start_m, stride_qm, seqlen_q,

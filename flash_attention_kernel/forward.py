@@ -78,6 +78,7 @@ def _attn_fwd_kernel(
     batch = tl.program_id(2)
     kv_head = head // GROUP_SIZE
     causal_offset = seqlen_k - seqlen_q
+    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)  # torch.compile passes Python floats as fp64
 
     q_base = tile_base(Q, batch, head, stride_qb, stride_qh)
     k_base = tile_base(K, batch, kv_head, stride_kb, stride_kh)
