@@ -100,7 +100,7 @@ def make_benchmarks(args):
     return [
         triton.testing.Benchmark(
             x_names=["seqlen"], x_vals=args.seqlens, line_arg="provider", line_vals=PROVIDERS, line_names=PROVIDERS,
-            ylabel="TFLOP/s", plot_name=f"{direction}-{dtype}-d{head_dim}-{'causal' if causal else 'full'}",
+            ylabel="TFLOP/s", x_log=True, plot_name=f"{direction}-{dtype}-d{head_dim}-{'causal' if causal else 'full'}",
             args=dict(direction=direction, dtype=dtype, head_dim=head_dim, causal=causal),
         )
         for direction in args.directions for dtype in args.dtypes for head_dim in args.head_dims
