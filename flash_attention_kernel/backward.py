@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from .configs import padded_head_dim, tile_config
-from .launch import LOG2E, bhs_strides, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
 from .tiles import (
-    key_tile_range, load_row_stat, load_tile, mma, query_tile_range, round_to, store_tile, tile_base, visible,
+    key_tile_range, load_row_stat, load_tile, mma, query_tile_range, round_to, sequence_span, store_tile, tile_base,
+    visible,
 )
 
 LOG2E_CONST = tl.constexpr(LOG2E)
@@ -36,25 +37,31 @@ LOG2E_CONST = tl.constexpr(LOG2E)
 
 @triton.jit(do_not_specialize=["seqlen_q"])
 def _attn_bwd_preprocess_kernel(
-    Out, DO, DLse, Delta,
+    Out, DO, DLse, Delta, CuSeqlensQ,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
+    stride_stat_b, stride_stat_h,
     seqlen_q,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    o = load_tile(tile_base(Out, batch, head, stride_ob, stride_oh), start_m, stride_om, seqlen_q,
-                  BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
-    do = load_tile(tile_base(DO, batch, head, stride_dob, stride_doh), start_m, stride_dom, seqlen_q,
-                   BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
+    o = load_tile(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), start_m, stride_om,
+                  seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    do = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m, stride_dom,
+                   seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    stat_offset = (batch * tl.num_programs(1) + head).to(tl.int64) * seqlen_q
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if HAS_DLSE:
-        delta -= tl.load(DLse + stat_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    tl.store(Delta + stat_offset + offs_m, delta, mask=offs_m < seqlen_q)
+        dlse_base = tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+        delta -= tl.load(dlse_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+    tl.store(delta_base + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -86,42 +93,45 @@ def _dkdv_query_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV,
+    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_stat_b, stride_stat_h,
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP_SIZE
+    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
+    if start_n >= seqlen_k:  # varlen: the grid covers the longest sequence
+        return
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     causal_offset = seqlen_k - seqlen_q
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_n = start_n + tl.arange(0, BLOCK_N)
 
-    k = load_tile(tile_base(K, batch, kv_head, stride_kb, stride_kh), start_n, stride_kn, seqlen_k,
-                  BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
-    v = load_tile(tile_base(V, batch, kv_head, stride_vb, stride_vh), start_n, stride_vn, seqlen_k,
-                  BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
+    k = load_tile(tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn), start_n, stride_kn,
+                  seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
+    v = load_tile(tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn), start_n, stride_vn,
+                  seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     q_start, q_diag, q_tail = query_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     for group_member in range(GROUP_SIZE):
         head = kv_head * GROUP_SIZE + group_member
-        q_base = tile_base(Q, batch, head, stride_qb, stride_qh)
-        do_base = tile_base(DO, batch, head, stride_dob, stride_doh)
-        stat_offset = (batch * num_heads + head).to(tl.int64) * seqlen_q
-        lse_base = Lse + stat_offset
-        delta_base = Delta + stat_offset
+        q_base = tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm)
+        do_base = tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom)
+        lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+        delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         dk, dv = _dkdv_query_loop(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             offs_n, q_start, q_diag, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
@@ -138,10 +148,10 @@ def _attn_bwd_dkdv_kernel(
             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
         )
 
-    store_tile(tile_base(DK, batch, kv_head, stride_dkb, stride_dkh), dk * softmax_scale, start_n, stride_dkn,
-               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
-    store_tile(tile_base(DV, batch, kv_head, stride_dvb, stride_dvh), dv, start_n, stride_dvn,
-               seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
+    store_tile(tile_base(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn), dk * softmax_scale,
+               start_n, stride_dkn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
+    store_tile(tile_base(DV, batch, kv_head, k_first, stride_dvb, stride_dvh, stride_dvn), dv,
+               start_n, stride_dvn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
 
 
 @triton.jit
@@ -169,35 +179,41 @@ def _dq_key_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ,
+    Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
+    stride_stat_b, stride_stat_h,
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    if start_m >= seqlen_q:  # varlen: the grid covers the longest sequence
+        return
+    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     causal_offset = seqlen_k - seqlen_q
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
-    q = load_tile(tile_base(Q, batch, head, stride_qb, stride_qh), start_m, stride_qm, seqlen_q,
-                  BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
-    do = load_tile(tile_base(DO, batch, head, stride_dob, stride_doh), start_m, stride_dom, seqlen_q,
-                   BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
-    stat_offset = (batch * tl.num_programs(1) + head).to(tl.int64) * seqlen_q
-    lse_log2 = load_row_stat(Lse + stat_offset, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E_CONST
-    delta = load_row_stat(Delta + stat_offset, start_m, seqlen_q, 0.0, BLOCK_M, True)
-    k_base = tile_base(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = tile_base(V, batch, kv_head, stride_vb, stride_vh)
+    q = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
+                  seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    do = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m, stride_dom,
+                   seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+    delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+    lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E_CONST
+    delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
+    k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
+    v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -211,50 +227,55 @@ def _attn_bwd_dq_kernel(
         offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
         BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
     )
-    store_tile(tile_base(DQ, batch, head, stride_dqb, stride_dqh), dq * softmax_scale, start_m, stride_dqm,
-               seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
+    store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq * softmax_scale,
+               start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dlse=None,
-                       wrap_kernel=identity_wrap):
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                       grads=None, wrap_kernel=identity_wrap):
     """Gradients (dq, dk, dv) of ``attention_forward``; same layouts and conventions.
 
     ``dlse`` is the gradient flowing into the logsumexp output, or None when it is unused.
+    ``grads``, if given, is (dq, dk, dv) to write into (e.g. views of one packed qkv gradient,
+    with unit last stride); otherwise they are allocated like q, k, v.
     """
     dout, q, k, v, out = (last_dim_contiguous(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if q.numel() == 0 or k.numel() == 0:  # nothing attends or nothing to attend to
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_kv = k.shape[-2]
+    delta = layout.new_row_stats(q)
+    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
 
     head_dim_pad = padded_head_dim(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
-    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, IS_VARLEN=layout.is_varlen)
     matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, IS_CAUSAL=causal, PRECISION=precision_mode(q.dtype, interpreted))
     scales = (softmax_scale, softmax_scale * LOG2E)
 
     pre_block = 64 if not interpreted else 32
-    wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(seqlen_q, pre_block), num_heads, batch)](
-        out, dout, dlse.contiguous() if dlse is not None else delta, delta,
-        *bhs_strides(out), *bhs_strides(dout), seqlen_q,
+    wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(seqlen_q, pre_block), num_heads, layout.batch)](
+        out, dout, dlse.contiguous() if dlse is not None else delta, delta, cu_seqlens_q,
+        *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), seqlen_q,
         BLOCK_M=pre_block, HAS_DLSE=dlse is not None, **common,
     )
 
     config = tile_config("bwd_dkdv", head_dim_pad, q.dtype, interpreted)
-    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, config.block_n), num_heads_kv, batch)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *bhs_strides(q), *bhs_strides(k), *bhs_strides(v), *bhs_strides(dout),
-        *bhs_strides(dk), *bhs_strides(dv),
+    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, config.block_n), num_heads_kv, layout.batch)](
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
+        *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
+        *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
         seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
     )
 
     config = tile_config("bwd_dq", head_dim_pad, q.dtype, interpreted)
-    wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, config.block_m), num_heads, batch)](
-        q, k, v, dout, lse, delta, dq,
-        *bhs_strides(q), *bhs_strides(k), *bhs_strides(v), *bhs_strides(dout), *bhs_strides(dq),
-        seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
+    wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, config.block_m), num_heads, layout.batch)](
+        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(dq),
+        *layout.stat_strides(delta), seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
     )
     return dq, dk, dv

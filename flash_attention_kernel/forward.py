@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .configs import padded_head_dim, tile_config
-from .launch import LOG2E, bhs_strides, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
-from .tiles import key_tile_range, load_tile, mma, round_to, store_tile, tile_base, visible
+from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .tiles import key_tile_range, load_tile, mma, round_to, sequence_span, store_tile, tile_base, visible
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -63,26 +63,31 @@ def _fwd_kv_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
+    stride_lse_b, stride_lse_h,
     seqlen_q, seqlen_k, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    if start_m >= seqlen_q:  # varlen: the grid covers the longest sequence
+        return
+    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     causal_offset = seqlen_k - seqlen_q
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)  # torch.compile passes Python floats as fp64
 
-    q_base = tile_base(Q, batch, head, stride_qb, stride_qh)
-    k_base = tile_base(K, batch, kv_head, stride_kb, stride_kh)
-    v_base = tile_base(V, batch, kv_head, stride_vb, stride_vh)
+    q_base = tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm)
+    k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
+    v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
 
@@ -103,26 +108,29 @@ def _attn_fwd_kernel(
 
     empty_row = row_sum == 0.0
     out = acc / tl.where(empty_row, 1.0, row_sum)[:, None]
-    o_base = tile_base(Out, batch, head, stride_ob, stride_oh)
+    o_base = tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om)
     store_tile(o_base, out, start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
     lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(row_sum)) * LN2)
-    lse_base = Lse + (batch * tl.num_programs(1) + head).to(tl.int64) * seqlen_q
+    lse_base = tile_base(Lse, batch, head, q_first, stride_lse_b, stride_lse_h, 1)
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
 
-def attention_forward(q, k, v, softmax_scale: float, causal: bool, wrap_kernel=identity_wrap):
-    """Attention forward on (batch, seqlen, heads, head_dim) tensors.
+def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
+                      max_seqlen_q: int = 0, max_seqlen_k: int = 0, wrap_kernel=identity_wrap):
+    """Attention forward, dense or variable-length.
 
-    q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0; any strides with the last dim
-    contiguous (other tensors are copied). Returns (out like q, lse (B, Hq, Sq) fp32, natural log).
-    ``wrap_kernel`` wraps each Triton kernel before launch (torch.library.wrap_triton lets
-    torch.compile trace the launch). Inputs are assumed validated by the caller.
+    Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); returns out like q and lse (B, Hq, Sq).
+    Varlen (cu_seqlens_q/k given, int32 (B + 1,)): q (total_q, Hq, D), k and v (total_k, Hkv, D),
+    max_seqlen_q/k at least the longest sequence; returns out like q and lse (Hq, total_q).
+    Hq % Hkv == 0; any strides with the last dim contiguous (other tensors are copied); lse is
+    fp32, natural log. ``wrap_kernel`` wraps each Triton kernel before launch
+    (torch.library.wrap_triton lets torch.compile trace it). Inputs are assumed validated.
     """
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    num_heads, head_dim = q.shape[-2:]
     out = torch.empty_like(q)
-    lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    lse = layout.new_row_stats(q)
     if out.numel() == 0:
         return out, lse
     if k.numel() == 0:  # no keys: every row is empty
@@ -131,13 +139,14 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, wrap_kernel=i
     head_dim_pad = padded_head_dim(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
     config = tile_config("fwd", head_dim_pad, q.dtype, interpreted)
-    grid = (triton.cdiv(seqlen_q, config.block_m), num_heads, batch)
+    grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
+    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
     wrap_kernel(_attn_fwd_kernel)[grid](
-        q, k, v, out, lse,
-        *bhs_strides(q), *bhs_strides(k), *bhs_strides(v), *bhs_strides(out),
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out), *layout.stat_strides(lse),
         seqlen_q, seqlen_k, softmax_scale * LOG2E,
-        GROUP_SIZE=num_heads // num_heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        IS_CAUSAL=causal, PRECISION=precision_mode(q.dtype, interpreted),
+        GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        IS_CAUSAL=causal, IS_VARLEN=layout.is_varlen, PRECISION=precision_mode(q.dtype, interpreted),
         **config.launch_args(),
     )
     return out, lse

@@ -1,6 +1,8 @@
 """Host-side helpers shared by the kernel launchers."""
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -34,6 +36,47 @@ def precision_mode(dtype: torch.dtype, interpreted: bool) -> str:
     return "tf32"
 
 
-def bhs_strides(x: torch.Tensor) -> tuple:
-    """(batch, head, seq) strides of a (batch, seq, head, dim) tensor, in kernel argument order."""
-    return x.stride(0), x.stride(2), x.stride(1)
+@dataclass(frozen=True)
+class SequenceLayout:
+    """How the sequences of a batch are stored, and what the kernels need to know about it.
+
+    Dense: tensors (batch, seqlen, heads, dim), per-row statistics (lse, delta) (batch, heads,
+    seqlen_q). Varlen: tensors (total_tokens, heads, dim) with sequence b in rows
+    [cu_seqlens[b], cu_seqlens[b + 1]), statistics (heads, total_q) as flash-attn returns them;
+    seqlen_q / seqlen_k then hold the longest sequence and size the grid only.
+    """
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def of(q, k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0) -> "SequenceLayout":
+        if cu_seqlens_q is None:
+            return SequenceLayout(q.shape[0], q.shape[1], k.shape[1])
+        return SequenceLayout(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def strides(self, x: torch.Tensor) -> tuple:
+        """(batch, head, row) strides of q/k/v-like ``x``, in kernel argument order."""
+        if self.is_varlen:
+            return 0, x.stride(1), x.stride(0)
+        return x.stride(0), x.stride(2), x.stride(1)
+
+    def new_row_stats(self, q: torch.Tensor) -> torch.Tensor:
+        """An uninitialised fp32 per-query-row statistic (lse, delta) for ``q``."""
+        shape = (q.shape[1], q.shape[0]) if self.is_varlen else (q.shape[0], q.shape[2], q.shape[1])
+        return torch.empty(shape, dtype=torch.float32, device=q.device)
+
+    def stat_strides(self, stats: torch.Tensor) -> tuple:
+        """(batch, head) strides of a contiguous row statistic; its row stride is 1."""
+        return (0, stats.stride(0)) if self.is_varlen else (stats.stride(0), stats.stride(1))
+
+    def kernel_args(self) -> tuple:
+        """CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k kernel arguments."""
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.seqlen_q, self.seqlen_k

@@ -1,11 +1,14 @@
 """Tile loads, stores and masks shared by the forward and backward kernels.
 
 Every tensor the kernels touch is addressed as ``base + row * row_stride + col`` inside one
-(batch, head) slice, with the last (head) dimension contiguous. Two rules keep that safe:
+(sequence, head) slice, with the last (head) dimension contiguous. A sequence is either one batch
+entry of a dense (batch, seqlen, heads, dim) tensor or, with IS_VARLEN, the rows
+[cu_seqlens[b], cu_seqlens[b + 1]) of a packed (total_tokens, heads, dim) tensor (batch stride 0).
+Two rules keep the addressing safe:
 
 * 64-bit offsets. ``program_id`` and ``arange`` are int32, so ``row * stride`` silently wraps once
-  a slice or the whole tensor passes 2**31 elements. The per-(batch, head) base and the first row
-  of a tile are therefore offset in int64 (``tile_base``); only the small in-tile offsets stay int32.
+  a slice or the whole tensor passes 2**31 elements. The per-(sequence, head) base and the first
+  row of a tile are therefore offset in int64 (``tile_base``); only in-tile offsets stay int32.
 * Masks only where needed. ``CHECK_ROWS`` (a tile that may cross the sequence end) and a padded head
   dim (``HEAD_DIM < HEAD_DIM_PAD``: head dims are padded to a power of two for ``tl.dot``) are
   compile-time flags, so tiles in the interior of the sequence compile to unmasked loads.
@@ -16,9 +19,20 @@ import triton.language as tl
 
 
 @triton.jit
-def tile_base(base_ptr, batch, head, stride_batch, stride_head):
-    """Pointer to row 0 of one (batch, head) slice, offset in int64."""
-    return base_ptr + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+def sequence_span(batch, cu_seqlens, seqlen, IS_VARLEN: tl.constexpr):
+    """(first row, length) of sequence ``batch``: from cu_seqlens when IS_VARLEN, else (0, seqlen)."""
+    if IS_VARLEN:
+        first = tl.load(cu_seqlens + batch)
+        return first, tl.load(cu_seqlens + batch + 1) - first
+    else:
+        return 0, seqlen
+
+
+@triton.jit
+def tile_base(base_ptr, batch, head, first_row, stride_batch, stride_head, stride_row):
+    """Pointer to the first row of one (sequence, head) slice, offset in int64."""
+    return (base_ptr + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+            + tl.cast(first_row, tl.int64) * stride_row)
 
 
 @triton.jit

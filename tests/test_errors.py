@@ -58,6 +58,70 @@ def test_bad_input(fa, case):
         _call(fa, **kwargs)
 
 
+def _varlen_call(fa, q=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=9, max_seqlen_k=9, **kwargs):
+    torch.manual_seed(0)
+    q = _t(12, 4, 64) if q is None else q
+    good_cu = torch.tensor([0, 9, 12], dtype=torch.int32, device=DEVICE)
+    cu_q = good_cu if cu_seqlens_q is None else cu_seqlens_q
+    cu_k = good_cu if cu_seqlens_k is None else cu_seqlens_k
+    return fa.flash_attn_varlen_func(q, _t(12, 2, 64), _t(12, 2, 64), cu_q, cu_k, max_seqlen_q, max_seqlen_k, **kwargs)
+
+
+VARLEN_CASES = {
+    "q rank 4": (dict(q=_t(1, 12, 4, 64)), ValueError, r"q must have 3 dims \(total_tokens, nheads, headdim\)"),
+    "cu_seqlens int64": (dict(cu_seqlens_q=torch.tensor([0, 9, 12], device=DEVICE)), TypeError,
+                         r"cu_seqlens_q must have dtype torch.int32, got torch.int64"),
+    "cu_seqlens list": (dict(cu_seqlens_k=[0, 9, 12]), TypeError, r"cu_seqlens_k must be a torch.Tensor"),
+    "cu_seqlens 2-D": (dict(cu_seqlens_q=torch.zeros(1, 3, dtype=torch.int32, device=DEVICE)), ValueError,
+                       r"cu_seqlens_q must be one-dimensional with batch \+ 1 entries"),
+    "cu_seqlens lengths differ": (dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)),
+                                  ValueError, r"cu_seqlens_q and cu_seqlens_k must both have batch \+ 1 entries"),
+    "max_seqlen float": (dict(max_seqlen_q=9.0), ValueError, r"max_seqlen_q must be a non-negative int"),
+    "max_seqlen negative": (dict(max_seqlen_k=-1), ValueError, r"max_seqlen_k must be a non-negative int"),
+    "block_table": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, r"block_table"),
+    "softcap": (dict(softcap=5.0), NotImplementedError, r"softcap"),
+}
+
+
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_bad_varlen_input(fa, case):
+    kwargs, error, message = VARLEN_CASES[case]
+    with pytest.raises(error, match=message):
+        _varlen_call(fa, **kwargs)
+
+
+@pytest.mark.parametrize("cu_seqlens, max_seqlen, message", [
+    ([1, 9, 12], 9, r"cu_seqlens_q must start at 0, got 1"),
+    ([0, 9, 11], 9, r"cu_seqlens_q must end at the number of tokens \(12\), got 11"),
+    ([0, 13, 12], 13, r"cu_seqlens_q must be non-decreasing"),
+    ([0, 9, 12], 8, r"max_seqlen_q \(8\) is smaller than the longest sequence in cu_seqlens_q \(9\)"),
+])
+def test_varlen_debug_checks(fa, monkeypatch, cu_seqlens, max_seqlen, message):
+    """Checks that read cu_seqlens' values (a device-to-host copy) run under the debug switch."""
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setenv("FLASH_ATTENTION_CHECK_INPUTS", "1")
+    with pytest.raises(ValueError, match=message):
+        _varlen_call(fa, cu_seqlens_q=cu, max_seqlen_q=max_seqlen)
+
+
+def test_max_seqlen_zero_dim_tensor(fa):
+    """transformers passes max_seqlen as a 0-d tensor on its packed-sequence path."""
+    out = _varlen_call(fa, max_seqlen_q=torch.tensor(9), max_seqlen_k=torch.tensor(9))
+    assert torch.equal(out, _varlen_call(fa))
+
+
+@pytest.mark.parametrize("fn, args, message", [
+    ("flash_attn_qkvpacked_func", lambda: (_t(2, 17, 2, 4, 64),), r"qkv must have size 3 in dim -3"),
+    ("flash_attn_kvpacked_func", lambda: (_t(2, 17, 4, 64), _t(2, 17, 2, 64)), r"kv must have 5 dims"),
+    ("flash_attn_varlen_qkvpacked_func",
+     lambda: (_t(12, 3, 4, 64), torch.tensor([0, 12], dtype=torch.int64, device=DEVICE), 12),
+     r"cu_seqlens_q must have dtype torch.int32"),
+])
+def test_bad_packed_input(fa, fn, args, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        getattr(fa, fn)(*args())
+
+
 def test_bad_input_bhsd(fa):
     q = _t(2, 4, 17, 64)
     with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of the number of key/value heads \(3\)"):

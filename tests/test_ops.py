@@ -13,19 +13,42 @@ def _qkv(dtype=torch.float16, seqlen_q=113, seqlen_k=203, heads=(4, 2), head_dim
     return q, k, v
 
 
+DENSE = (None, None, 0, 0)
+
+
+def _varlen_options():
+    lengths = [17, 0, 40, 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return sum(lengths), (cu, cu, max(lengths), max(lengths))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_fwd(fa, causal):
     q, k, v = (t.requires_grad_() for t in _qkv())
-    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, 0.125, causal))
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *DENSE, 0.125, causal))
 
 
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_opcheck_bwd(fa, with_dlse):
     q, k, v = _qkv()
-    out, lse = fa.ops.fwd(q, k, v, 0.125, True)
+    out, lse = fa.ops.fwd(q, k, v, *DENSE, 0.125, True)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
-    torch.library.opcheck(fa.ops.bwd.default, (dout, q, k, v, out, lse, dlse, 0.125, True))
+    torch.library.opcheck(fa.ops.bwd.default, (dout, q, k, v, out, lse, dlse, *DENSE, 0.125, True))
+
+
+def test_opcheck_varlen_and_packed(fa):
+    total, options = _varlen_options()
+    qkv = torch.randn(total, 3, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(dim=1))
+    kv = torch.stack((k, v), dim=1).detach().requires_grad_()
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *options, 0.125, True))
+    torch.library.opcheck(fa.ops.fwd_qkvpacked.default, (qkv, *options, 0.125, True))
+    torch.library.opcheck(fa.ops.fwd_kvpacked.default, (q, kv, *options, 0.125, False))
+    out, lse = (t.detach() for t in fa.ops.fwd_qkvpacked(qkv, *options, 0.125, True))
+    dout = torch.randn_like(out)
+    torch.library.opcheck(fa.ops.bwd_qkvpacked.default, (dout, qkv.detach(), out, lse, None, *options, 0.125, True))
+    torch.library.opcheck(fa.ops.bwd_kvpacked.default, (dout, q.detach(), kv.detach(), out, lse, None, *options, 0.125, True))
 
 
 def test_torch_compile_fullgraph(fa):
@@ -42,6 +65,15 @@ def test_torch_compile_fullgraph(fa):
     eager = loss_grads(lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True) * 2.0)
     for got, want in zip(loss_grads(compiled), eager):
         assert torch.equal(got, want)
+
+    total, (cu, _, longest, _) = _varlen_options()
+    qkv = torch.randn(total, 3, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    varlen = lambda qkv: fa.flash_attn_varlen_qkvpacked_func(qkv, cu, longest, causal=True)  # noqa: E731
+    compiled_varlen = torch.compile(varlen, fullgraph=True)
+    out_compiled, out_eager = compiled_varlen(qkv), varlen(qkv)
+    dout = torch.randn_like(out_eager)
+    assert torch.equal(out_compiled, out_eager)
+    assert torch.equal(torch.autograd.grad(out_compiled, qkv, dout)[0], torch.autograd.grad(out_eager, qkv, dout)[0])
 
     compiled_bhsd = torch.compile(fa.flash_attention_forward, fullgraph=True)
     qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))

@@ -1,6 +1,7 @@
 """Torch custom ops over the Triton launchers, with autograd.
 
-``fwd`` and ``bwd`` are ``torch.library.triton_op``s: their bodies are plain PyTorch code plus Triton
+The ops (``fwd``/``bwd`` and the packed ``fwd_kvpacked``/``bwd_kvpacked``,
+``fwd_qkvpacked``/``bwd_qkvpacked``) are ``torch.library.triton_op``s: their bodies are plain PyTorch code plus Triton
 launches through ``torch.library.wrap_triton``, so torch.compile traces into them (no graph break,
 fake implementations derived from the body). The op namespace comes from the build-generated
 ``_ops`` module, which is unique per build and backend; it is never written out by hand.
@@ -9,8 +10,9 @@ Under Triton's CPU interpreter (TRITON_INTERPRET=1) ``wrap_triton`` hands kernel
 so a triton_op could be neither faked nor traced. There the same bodies are registered as opaque
 ``custom_op``s, with a fake implementation that runs the body without launching any kernel.
 
-Layout: (batch, seqlen, heads, head_dim). Inputs are validated by the public functions in
-``interface.py`` before they reach these ops.
+Layouts: dense (batch, seqlen, heads, head_dim), or varlen (total_tokens, heads, head_dim) with
+cu_seqlens. Inputs are validated by the public functions in ``interface.py`` before they reach
+these ops.
 """
 
 import inspect
@@ -47,49 +49,101 @@ def _register(name: str, body):
     return op
 
 
-def _fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, wrap_kernel
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, softmax_lse): out like q, softmax_lse (batch, heads, seqlen_q) fp32, natural log."""
-    return attention_forward(q, k, v, softmax_scale, causal, wrap_kernel=wrap_kernel)
+# Every forward op takes (*tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+# softmax_scale, causal) and returns (out, softmax_lse); cu_seqlens None means dense (batch,
+# seqlen, heads, dim) inputs, and then max_seqlen_* are unused. The packed variants take q, k, v
+# as slices along dim -3 of one tensor and their backward writes the gradient of that tensor
+# directly (the kernels store into its slices), instead of stacking three separate gradients.
+# Every backward op takes (dout, *tensors, out, softmax_lse, dlse, <the same trailing options>)
+# and returns the gradients of *tensors; dlse is the gradient of softmax_lse, None when unused.
+
+Tensor = torch.Tensor
+OptionalTensor = Optional[torch.Tensor]
 
 
-def _bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    softmax_lse: torch.Tensor,
-    dlse: Optional[torch.Tensor],
-    softmax_scale: float,
-    causal: bool,
-    wrap_kernel,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv). ``dlse`` is the gradient of softmax_lse, None when it is unused."""
-    return attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dlse, wrap_kernel=wrap_kernel)
+def _packed_grad(packed: Tensor) -> Tensor:
+    """Gradient buffer for a packed tensor: contiguous, so each slice has a unit last stride."""
+    return torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
 
 
-_register(add_op_namespace_prefix("fwd"), _fwd)
-_register(add_op_namespace_prefix("bwd"), _bwd)
+def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor,
+         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor]:
+    return attention_forward(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             wrap_kernel=wrap_kernel)
+
+
+def _fwd_kvpacked(q: Tensor, kv: Tensor, cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor,
+                  max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                  wrap_kernel) -> tuple[Tensor, Tensor]:
+    k, v = kv.unbind(dim=-3)
+    return attention_forward(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             wrap_kernel=wrap_kernel)
+
+
+def _fwd_qkvpacked(qkv: Tensor, cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int,
+                   max_seqlen_k: int, softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor]:
+    q, k, v = qkv.unbind(dim=-3)
+    return attention_forward(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             wrap_kernel=wrap_kernel)
+
+
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dlse: OptionalTensor,
+         cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int, max_seqlen_k: int,
+         softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dlse, cu_seqlens_q,
+                              cu_seqlens_k, max_seqlen_q, max_seqlen_k, wrap_kernel=wrap_kernel)
+
+
+def _bwd_kvpacked(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, softmax_lse: Tensor, dlse: OptionalTensor,
+                  cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int, max_seqlen_k: int,
+                  softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor]:
+    dkv = _packed_grad(kv)
+    dk, dv = dkv.unbind(dim=-3)
+    dq, _, _ = attention_backward(dout, q, *kv.unbind(dim=-3), out, softmax_lse, softmax_scale, causal, dlse,
+                                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  grads=(torch.empty_like(q), dk, dv), wrap_kernel=wrap_kernel)
+    return dq, dkv
+
+
+def _bwd_qkvpacked(dout: Tensor, qkv: Tensor, out: Tensor, softmax_lse: Tensor, dlse: OptionalTensor,
+                   cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int, max_seqlen_k: int,
+                   softmax_scale: float, causal: bool, wrap_kernel) -> Tensor:
+    dqkv = _packed_grad(qkv)
+    attention_backward(dout, *qkv.unbind(dim=-3), out, softmax_lse, softmax_scale, causal, dlse, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, grads=dqkv.unbind(dim=-3), wrap_kernel=wrap_kernel)
+    return dqkv
+
+
+NUM_OPTIONS = 6  # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
-    out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
+    tensors, (cu_seqlens_q, cu_seqlens_k, *options) = inputs[:-NUM_OPTIONS], inputs[-NUM_OPTIONS:]
+    ctx.save_for_backward(*tensors, *output, cu_seqlens_q, cu_seqlens_k)
+    ctx.num_tensors = len(tensors)
+    ctx.options = options
     # Unused outputs (typically softmax_lse) then get None instead of a zero tensor to read.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, softmax_lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = ops.bwd(dout, q, k, v, out, softmax_lse, dlse, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+def _autograd_formula(backward_op):
+    def backward(ctx, dout, dlse):
+        *tensors, out, softmax_lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = backward_op(dout, *tensors, out, softmax_lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+        return (*grads, *([None] * NUM_OPTIONS))
+
+    return backward
 
 
-torch.library.register_autograd(add_op_namespace_prefix("fwd"), _backward, setup_context=_setup_context)
+_register(add_op_namespace_prefix("fwd"), _fwd)
+_register(add_op_namespace_prefix("bwd"), _bwd)
+_register(add_op_namespace_prefix("fwd_kvpacked"), _fwd_kvpacked)
+_register(add_op_namespace_prefix("bwd_kvpacked"), _bwd_kvpacked)
+_register(add_op_namespace_prefix("fwd_qkvpacked"), _fwd_qkvpacked)
+_register(add_op_namespace_prefix("bwd_qkvpacked"), _bwd_qkvpacked)
+for _forward, _backward_op in [("fwd", ops.bwd), ("fwd_kvpacked", ops.bwd_kvpacked), ("fwd_qkvpacked", ops.bwd_qkvpacked)]:
+    torch.library.register_autograd(add_op_namespace_prefix(_forward), _autograd_formula(_backward_op),
+                                    setup_context=_setup_context)
