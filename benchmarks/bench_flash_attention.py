@@ -10,6 +10,12 @@ seqlen, head_dim) for everyone. Times are triton.testing.do_bench medians; backw
 alone (the forward graph is kept). FLOPs: forward 4 * B * H * N^2 * d, halved when causal;
 backward 2.5x forward (5 matmuls; this kernel's atomic-free backward really does 7).
 
+Varlen rows: one batch of mixed lengths (drawn between 128 and 4k, 16k tokens in all, head dim
+128, bf16), forward and backward, causal and not. TFLOP/s are counted on real tokens for every
+entry: this kernel's flash_attn_varlen_func on the packed batch, this kernel and SDPA FLASH on the
+same batch padded to the longest sequence, and, for scale, this kernel's dense rate on a uniform
+batch with the same token count and the mean length.
+
 Writes one CSV and PNG per (direction, dtype, head dim, mask) to --out, and prints a table of
 TFLOP/s with this kernel's ratio to each peer. The kernel is loaded as users load it: the built
 Hub variant through ``kernels`` (run scripts/build_variants.py first).
@@ -96,6 +102,68 @@ def bench_one(attention, provider, direction, dtype, head_dim, causal, seqlen):
     return attention_flops(batch, heads, seqlen, head_dim, causal, direction) / ms * 1e-9
 
 
+def mixed_lengths(total=TOKENS, low=128, high=4096, seed=0):
+    """Sequence lengths drawn uniformly in [low, high] until they add up to ``total``."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(low, high + 1, (1,), generator=generator)))
+    lengths[-1] -= sum(lengths) - total
+    if lengths[-1] < low:  # fold a short remainder into the previous sequence
+        lengths[-2] += lengths.pop()
+    return lengths
+
+
+def time_tflops(fn, flops, direction):
+    if direction == "bwd":
+        out, leaves = fn()
+        dout = torch.randn_like(out)
+        fn = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)  # noqa: E731
+    fn()
+    return flops / triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-9
+
+
+def bench_varlen(fa, head_dim=128, dtype=torch.bfloat16):
+    """Rows of the varlen table (see the module docstring)."""
+    lengths = mixed_lengths()
+    heads, longest, batch = HIDDEN // head_dim, max(lengths), len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    print(f"\nvarlen batch: {batch} sequences, lengths {sorted(lengths)}, {sum(lengths)} tokens")
+    rows = []
+    for direction in ("fwd", "bwd"):
+        for causal in (False, True):
+            real_flops = sum(attention_flops(1, heads, n, head_dim, causal, direction) for n in lengths)
+            packed = [torch.randn(sum(lengths), heads, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                      for _ in range(3)]
+            padded = [torch.randn(batch, heads, longest, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                      for _ in range(3)]
+            mean = TOKENS // batch
+            uniform = [torch.randn(batch, heads, mean, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                       for _ in range(3)]
+
+            def sdpa_padded():
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return torch.nn.functional.scaled_dot_product_attention(*padded, is_causal=causal), padded
+
+            row = dict(direction=direction, causal=causal, tokens=sum(lengths), sequences=batch, longest=longest)
+            row["varlen"] = time_tflops(
+                lambda: (fa.flash_attn_varlen_func(*packed, cu, cu, longest, longest, causal=causal), packed),
+                real_flops, direction)
+            row["padded"] = time_tflops(
+                lambda: (fa.flash_attention_forward(*padded, causal=causal), padded), real_flops, direction)
+            row["sdpa-flash-padded"] = time_tflops(sdpa_padded, real_flops, direction)
+            row["dense-uniform"] = time_tflops(
+                lambda: (fa.flash_attention_forward(*uniform, causal=causal), uniform),
+                attention_flops(batch, heads, mean, head_dim, causal, direction), direction)
+            rows.append(row)
+    print("direction  mask    varlen  padded  sdpa-flash-padded  dense-uniform   x sdpa-flash-padded  x dense-uniform")
+    for row in rows:
+        print(f"{row['direction']:>9} {'causal' if row['causal'] else 'nc':>5} {row['varlen']:>9.1f} {row['padded']:>7.1f}"
+              f" {row['sdpa-flash-padded']:>18.1f} {row['dense-uniform']:>14.1f}"
+              f" {row['varlen'] / row['sdpa-flash-padded']:>20.2f} {row['varlen'] / row['dense-uniform']:>16.2f}")
+    return rows
+
+
 def make_benchmarks(args):
     return [
         triton.testing.Benchmark(
@@ -116,12 +184,17 @@ def main(argv):
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--quick", action="store_true", help="bf16, head dim 128, seqlens 1k/4k/16k only")
+    parser.add_argument("--varlen-only", action="store_true", help="only the mixed-length varlen table")
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.head_dims, args.dtypes = [1024, 4096, 16384], [128], ["bf16"]
     args.out.mkdir(parents=True, exist_ok=True)
 
-    attention = Attention(load_kernel())
+    fa = load_kernel()
+    write_csv(args.out / "varlen.csv", bench_varlen(fa))
+    if args.varlen_only:
+        return
+    attention = Attention(fa)
     rows = []
     for benchmark in make_benchmarks(args):
         settings = benchmark.args
@@ -137,13 +210,16 @@ def main(argv):
             rows.append({**settings, "seqlen": int(record["seqlen"]), **tflops})
         print_rows([r for r in rows if all(r[key] == value for key, value in settings.items())])
 
-    summary = args.out / "summary.csv"
-    with summary.open("w", newline="") as handle:
+    write_csv(args.out / "summary.csv", rows)
+    print(f"\nwrote summary.csv, varlen.csv and one CSV/PNG per table to {args.out}")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+
+
+def write_csv(path, rows):
+    with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\nwrote {summary} and one CSV/PNG per table to {args.out}")
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
 
 
 def print_rows(rows):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU
-from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref, run_ref
+from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref
 
 # Per-sequence (q lengths, k lengths); k None = same as q.
 BATCHES_CPU = {
