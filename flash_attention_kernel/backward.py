@@ -16,7 +16,8 @@ dO the output gradient, the gradients are
 * ``_attn_bwd_dq_kernel``: one program per BLOCK_M query rows; it streams key tiles like the
   forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).
 
-Both kernels visit only the tiles the causal mask leaves visible and mask only tiles that cross
+Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit
+only the tiles the causal mask leaves visible and mask only tiles that cross
 the diagonal or the sequence ends. Rows with lse = +inf (no visible key) get P = 0 and therefore
 zero gradients; query rows past the sequence end read lse = +inf and contribute nothing.
 """

@@ -15,6 +15,10 @@ without masks; the second covers the causal diagonal and the ragged sequence end
 causal masking aligned bottom-right (row i sees keys j <= i + seqlen_k - seqlen_q), tiles above the
 diagonal are never visited.
 
+Dense and variable-length batches share the kernel: with IS_VARLEN a program reads its sequence's
+first row and length from cu_seqlens, and programs past the end of a shorter sequence exit at once
+(the grid is sized for the longest).
+
 A row that sees no key (bottom-right causal with seqlen_q > seqlen_k, or seqlen_k == 0) keeps
 m = -inf and l = 0. The masked loop then uses 0 as its exp2 pivot, so no (-inf) - (-inf) NaN
 appears, and the row ends with O = 0 and lse = +inf, which makes every backward probability

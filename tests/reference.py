@@ -4,16 +4,17 @@
 bottom-right causal masking, computed in a chosen dtype. Run in float64 it is the truth; run in
 the inputs' dtype it is "PyTorch math attention in the same dtype", whose error against float64
 sets the bar (flash-attn's rule): our error may be at most 2x that for the output and 3x for the
-gradients, plus a small absolute slack (1e-5) for cases where PyTorch happens to be exact (e.g. the gradient
-of a one-key softmax is exactly 0). The slack is far below TF32 error (~1e-3), so fp32 inputs
-silently computed in TF32 still fail.
+gradients, plus a small slack, 1e-5 relative to the largest reference value, for cases where
+PyTorch happens to be exact (e.g. the gradient of a one-key softmax is exactly 0) or nearly so
+(fp32 reductions over thousands of keys). The slack is far below TF32 error (~1e-3 relative), so
+fp32 inputs silently computed in TF32 still fail.
 """
 
 import torch
 
 FWD_FACTOR = 2.0
 BWD_FACTOR = 3.0
-SLACK = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-5}
+SLACK = 1e-5
 
 
 def attention_ref(q, k, v, causal: bool, softmax_scale: float, dtype: torch.dtype):
@@ -50,5 +51,6 @@ def assert_within_bar(name, ours, pytorch_same_dtype, truth, factor):
     """max|ours - truth| <= factor * max|pytorch - truth| + slack, and no NaN."""
     assert not torch.isnan(ours).any(), f"{name} has NaN"
     err, bar_err = max_err(ours, truth), max_err(pytorch_same_dtype, truth)
-    bound = factor * bar_err + SLACK[ours.dtype]
-    assert err <= bound, f"{name}: max error {err:.3g} > {factor} x PyTorch's {bar_err:.3g} + slack"
+    scale = max(1.0, truth.abs().max().item()) if truth.numel() else 1.0
+    bound = factor * bar_err + SLACK * scale
+    assert err <= bound, f"{name}: max error {err:.3g} > {factor} x PyTorch's {bar_err:.3g} + {SLACK} x {scale:.3g}"
