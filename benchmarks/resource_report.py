@@ -1,0 +1,85 @@
+"""Registers, spills and shared memory of the kernels for Hopper, without a GPU.
+
+Cross-compiles a kernel for sm_90a with Triton's own compiler and assembles it with the ptxas
+that ships in Triton's wheel, then prints what ``ptxas -v`` reports plus the count of wgmma and
+mma.sync instructions in the PTX. Pointer and integer arguments are marked divisible by 16, as
+real launches specialise them (without that, every load compiles to scalar loads and the report
+says nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
+
+Usage: python benchmarks/resource_report.py fwd bf16 128 128x64x8x3 [64x64x4x2 ...]
+       (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages)
+"""
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flash_attention_kernel import backward, configs, forward  # noqa: E402
+
+KERNELS = {"fwd": forward._attn_fwd_kernel, "dkdv": backward._attn_bwd_dkdv_kernel, "dq": backward._attn_bwd_dq_kernel}
+STATS = ("Lse", "Delta", "DLse")
+
+
+def _signature(kernel, dtype, constexprs):
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.startswith("CuSeqlens"):
+            signature[name] = "*i32"
+        elif name[0].isupper():
+            signature[name] = "*fp32" if name in STATS else f"*{dtype}"
+        elif name in ("qk_scale_log2", "softmax_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    return signature
+
+
+def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, causal=False):
+    kernel = KERNELS[kernel_name]
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=configs.padded_head_dim(head_dim), GROUP_SIZE=1,
+                      BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal, IS_VARLEN=False,
+                      PRECISION="ieee" if dtype == "fp32" else "tf32", CuSeqlensQ=None, CuSeqlensK=None)
+    constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    signature = _signature(kernel, dtype, constexprs)
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                 if signature[name] not in ("constexpr", "fp32") and not name.startswith("seqlen")}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=divisible),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = compiled.asm["ptx"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    return dict(registers=registers, spill_bytes=spills, shared_bytes=compiled.metadata.shared,
+                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
+
+
+def main(argv):
+    if len(argv) < 4:
+        sys.exit(__doc__)
+    kernel_name, dtype, head_dim = argv[0], argv[1], int(argv[2])
+    for config in argv[3:]:
+        block_m, block_n, num_warps, num_stages = map(int, config.split("x"))
+        try:
+            result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages)
+        except Exception as error:
+            print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
+            continue
+        print(f"{kernel_name} {dtype} d{head_dim} {config}: " + ", ".join(f"{k} {v}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
