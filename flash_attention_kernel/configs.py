@@ -38,29 +38,35 @@ _INTERPRETER = {
     "bwd_dq": TileConfig(64, 32, 4, 1),
 }
 
-# GPU table: (kernel, padded head dim) -> config for 2-byte inputs. An fp32 row is as large as a
-# 2-byte row of twice the head dim, so fp32 inputs take that config; fp32 at head dim 256 has its
-# own entries ("f32", kernel).
+# GPU table: (kernel, padded head dim) -> config for 2-byte inputs, tuned by
+# benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16, causal and not;
+# see benchmarks/NOTES.md, v2).
 _GPU = {
-    ("fwd", 16): TileConfig(128, 64, 4, 3),
-    ("fwd", 32): TileConfig(128, 64, 4, 3),
-    ("fwd", 64): TileConfig(128, 64, 4, 3),
-    ("fwd", 128): TileConfig(128, 64, 8, 3),
-    ("fwd", 256): TileConfig(64, 64, 8, 2),
-    ("f32", "fwd"): TileConfig(64, 32, 8, 2),
-    ("bwd_dkdv", 16): TileConfig(32, 128, 4, 3),
-    ("bwd_dkdv", 32): TileConfig(32, 128, 4, 3),
-    ("bwd_dkdv", 64): TileConfig(32, 128, 4, 3),
-    ("bwd_dkdv", 128): TileConfig(32, 128, 8, 2),
-    ("bwd_dkdv", 256): TileConfig(32, 64, 8, 1),
-    ("f32", "bwd_dkdv"): TileConfig(16, 32, 8, 1),
-    ("bwd_dq", 16): TileConfig(128, 32, 4, 3),
-    ("bwd_dq", 32): TileConfig(128, 32, 4, 3),
-    ("bwd_dq", 64): TileConfig(128, 32, 4, 3),
-    ("bwd_dq", 128): TileConfig(128, 32, 8, 2),
-    ("bwd_dq", 256): TileConfig(64, 32, 8, 1),
-    ("f32", "bwd_dq"): TileConfig(32, 16, 8, 1),
+    ("fwd", 16): TileConfig(64, 64, 4, 3),
+    ("fwd", 32): TileConfig(64, 64, 4, 3),
+    ("fwd", 64): TileConfig(128, 64, 8, 3),
+    ("fwd", 128): TileConfig(128, 128, 8, 3),
+    ("fwd", 256): TileConfig(128, 64, 8, 2),
+    ("bwd_dkdv", 16): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 32): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 64): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 128): TileConfig(32, 64, 4, 2),
+    ("bwd_dkdv", 256): TileConfig(64, 64, 8, 2),
+    ("bwd_dq", 16): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 32): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 64): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 128): TileConfig(128, 32, 8, 3),
+    ("bwd_dq", 256): TileConfig(128, 32, 8, 3),
 }
+
+# fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
+# registers: small tiles keep them out of local memory (benchmarks/resource_report.py).
+_GPU_FP32 = {
+    "fwd": TileConfig(64, 32, 8, 2),
+    "bwd_dkdv": TileConfig(32, 32, 8, 2),
+    "bwd_dq": TileConfig(64, 32, 8, 2),
+}
+_GPU_FP32_HEAD_DIM_256 = {**_GPU_FP32, "bwd_dkdv": TileConfig(16, 32, 8, 1), "bwd_dq": TileConfig(32, 16, 8, 1)}
 
 
 def tile_config(kernel: str, head_dim_pad: int, dtype: torch.dtype, interpreted: bool) -> TileConfig:
@@ -68,7 +74,5 @@ def tile_config(kernel: str, head_dim_pad: int, dtype: torch.dtype, interpreted:
     if interpreted:
         return _INTERPRETER[kernel]
     if dtype == torch.float32:
-        if head_dim_pad == 256:
-            return _GPU[("f32", kernel)]
-        head_dim_pad *= 2
+        return (_GPU_FP32_HEAD_DIM_256 if head_dim_pad == 256 else _GPU_FP32)[kernel]
     return _GPU[(kernel, head_dim_pad)]
