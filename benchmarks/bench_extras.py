@@ -1,0 +1,125 @@
+"""The costs beside throughput: odd head dims, first-call time, peak memory.
+
+* Head dims: forward and backward TFLOP/s at head dims 64, 80, 96, 128, 160, 192, 224, 256
+  (bf16, 16 heads, 16k tokens, N = 4096, non-causal), each with its ratio to the next power of
+  two (head dims are padded to one inside the kernels).
+* First call: in a fresh process with an empty Triton cache, the wall time of the first forward
+  and the first backward on a new shape (compilation included), then of a call at another
+  sequence length of the same size bucket, which must not compile again.
+* Peak memory: device memory allocated at the peak of forward + backward beyond the inputs and
+  output gradient, this kernel against SDPA FLASH (N = 16k, head dim 128, bf16).
+
+Usage: python benchmarks/bench_extras.py   (after scripts/build_variants.py; on a GPU)
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HEAD_DIMS = [64, 80, 96, 128, 160, 192, 224, 256]
+
+
+def load_kernel():
+    import kernels
+
+    return kernels.get_local_kernel(REPO_ROOT / "build")
+
+
+def head_dim_table(fa, seqlen=4096, heads=16, tokens=16384):
+    batch = tokens // seqlen
+    rates = {}
+    for head_dim in HEAD_DIMS:
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        flops = 4 * batch * heads * seqlen * seqlen * head_dim
+        out = fa.flash_attn_func(q, k, v)
+        dout = torch.randn_like(out)
+        forward_ms = triton.testing.do_bench(lambda: fa.flash_attn_func(q, k, v), return_mode="median")
+        backward_ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                              return_mode="median")
+        rates[head_dim] = (flops / forward_ms * 1e-9, 2.5 * flops / backward_ms * 1e-9)
+    print(f"\nhead dims (bf16, {heads} heads, N = {seqlen}, non-causal): TFLOP/s and ratio to the next power of two")
+    print(f"{'d':>4} {'fwd':>7} {'ratio':>6} {'bwd':>7} {'ratio':>6}")
+    for head_dim, (forward, backward) in rates.items():
+        power = 1 << (head_dim - 1).bit_length()
+        print(f"{head_dim:>4} {forward:>7.1f} {forward / rates[power][0]:>6.2f} {backward:>7.1f} {backward / rates[power][1]:>6.2f}")
+
+
+FIRST_CALL_SCRIPT = textwrap.dedent("""
+    import json, sys, time, pathlib, torch, kernels
+    fa = kernels.get_local_kernel(pathlib.Path(sys.argv[1]))
+    head_dim = int(sys.argv[2])
+    def timed(seqlen):
+        q, k, v = (torch.randn(4, seqlen, 2048 // head_dim, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fa.flash_attn_func(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        middle = time.perf_counter()
+        out.sum().backward()
+        torch.cuda.synchronize()
+        return middle - start, time.perf_counter() - middle
+    first = timed(4096)
+    again = timed(4000)
+    print(json.dumps(dict(first=first, new_seqlen=again)))
+""")
+
+
+def first_call_table():
+    print("\nfirst call in a fresh process with an empty Triton cache (bf16, causal, 4 x N x 2048/d heads):")
+    for head_dim in (64, 128):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TRITON_CACHE_DIR": cache}
+            result = subprocess.run([sys.executable, "-c", FIRST_CALL_SCRIPT, str(REPO_ROOT / "build"), str(head_dim)],
+                                    env=env, capture_output=True, text=True, check=True)
+        times = json.loads(result.stdout.strip().splitlines()[-1])
+        print(f"  d{head_dim}: first forward {times['first'][0]:.2f} s, first backward {times['first'][1]:.2f} s; "
+              f"N = 4000 afterwards: forward {times['new_seqlen'][0] * 1e3:.1f} ms, "
+              f"backward {times['new_seqlen'][1] * 1e3:.1f} ms")
+
+
+def peak_memory_table(fa, seqlen=16384, head_dim=128, heads=16):
+    def sdpa_flash(q, k, v):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    providers = {"triton-fa": lambda q, k, v: fa.flash_attention_forward(q, k, v, causal=True),
+                 "sdpa-flash": sdpa_flash}
+    print(f"\npeak memory of forward + backward beyond inputs and dout (bf16, 1 x {heads} x {seqlen} x {head_dim}, causal):")
+    for name, attention in providers.items():
+        q, k, v = (torch.randn(1, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        dout = torch.randn_like(q)
+        attention(q, k, v).backward(dout)  # warm up (compilation, workspaces)
+        for x in (q, k, v):
+            x.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        attention(q, k, v).backward(dout)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        print(f"  {name:>10}: {extra / 2**20:8.1f} MiB (q, k, v are {q.numel() * 2 / 2**20:.1f} MiB each)")
+
+
+def main():
+    fa = load_kernel()
+    head_dim_table(fa)
+    first_call_table()
+    peak_memory_table(fa)
+    print(f"\ndevice {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+
+
+if __name__ == "__main__":
+    main()
