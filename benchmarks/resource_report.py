@@ -61,8 +61,10 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
         (Path(tmp) / "k.ptx").write_text(ptx)
         log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                              capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    registers, spills = (re.search(pattern, log) for pattern in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
+    if registers is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas report: {log[:500]}")
+    registers, spills = int(registers.group(1)), int(spills.group(1))
     return dict(registers=registers, spill_bytes=spills, shared_bytes=compiled.metadata.shared,
                 wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
 
