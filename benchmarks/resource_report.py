@@ -46,7 +46,8 @@ def _signature(kernel, dtype, constexprs):
 
 def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, causal=False):
     kernel = KERNELS[kernel_name]
-    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=configs.padded_head_dim(head_dim), GROUP_SIZE=1,
+    dim_a, dim_b = configs.head_dim_chunks(head_dim)
+    constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
                       BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal, IS_VARLEN=False,
                       PRECISION="ieee" if dtype == "fp32" else "tf32", CuSeqlensQ=None, CuSeqlensK=None)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}

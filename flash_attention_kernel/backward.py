@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import padded_head_dim, tile_config
+from .configs import head_dim_chunks, padded_head_dim, tile_config
 from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
 from .tiles import (
-    key_tile_range, load_row_stat, load_tile, mma, query_tile_range, round_to, sequence_span, store_tile, tile_base,
-    visible,
+    key_tile_range, load_row_stat, load_tile, mma_into_head, mma_over_head, query_tile_range, sequence_span,
+    store_tile, tile_base, visible,
 )
 
 LOG2E_CONST = tl.constexpr(LOG2E)
@@ -43,7 +43,7 @@ def _attn_bwd_preprocess_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_stat_b, stride_stat_h,
     seqlen_q,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -52,11 +52,13 @@ def _attn_bwd_preprocess_kernel(
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     if start_m >= seqlen_q:
         return
-    o = load_tile(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), start_m, stride_om,
-                  seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
-    do = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m, stride_dom,
-                   seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    o_a, o_b = load_tile(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), start_m, stride_om,
+                         seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
+    do_a, do_b = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m,
+                           stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
+    delta = tl.sum(o_a.to(tl.float32) * do_a.to(tl.float32), 1)
+    if DIM_B > 0:
+        delta += tl.sum(o_b.to(tl.float32) * do_b.to(tl.float32), 1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if HAS_DLSE:
         dlse_base = tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
@@ -67,29 +69,29 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_query_loop(
-    dk, dv, k, v,
+    dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b,
     q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
     offs_n, q_start, q_end, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
     (rows = keys) so that every product lands directly in the key tile's accumulators."""
     for start_m in range(q_start, q_end, BLOCK_M):
-        q = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
         lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E_CONST
-        scores_t = mma(k, tl.trans(q), None, PRECISION) * qk_scale_log2
+        scores_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION) * qk_scale_log2
         p_t = tl.exp2(scores_t - lse_log2[None, :])
         if MASKED:
             offs_m = start_m + tl.arange(0, BLOCK_M)
             p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_k, causal_offset, IS_CAUSAL), p_t, 0.0)
-        do = load_tile(do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        dv = mma(round_to(p_t, do.dtype, PRECISION), do, dv, PRECISION)
+        do_a, do_b = load_tile(do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        dv_a, dv_b = mma_into_head(p_t, do_a, do_b, dv_a, dv_b, DIM_B, PRECISION)
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
-        dp_t = mma(v, tl.trans(do), None, PRECISION)
+        dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = mma(round_to(ds_t, q.dtype, PRECISION), q, dk, PRECISION)
-    return dk, dv
+        dk_a, dk_b = mma_into_head(ds_t, q_a, q_b, dk_a, dk_b, DIM_B, PRECISION)
+    return dk_a, dk_b, dv_a, dv_b
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -103,7 +105,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_stat_b, stride_stat_h,
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -119,12 +121,14 @@ def _attn_bwd_dkdv_kernel(
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_n = start_n + tl.arange(0, BLOCK_N)
 
-    k = load_tile(tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn), start_n, stride_kn,
-                  seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
-    v = load_tile(tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn), start_n, stride_vn,
-                  seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    k_a, k_b = load_tile(tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn), start_n,
+                         stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True)
+    v_a, v_b = load_tile(tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn), start_n,
+                         stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True)
+    dk_a = tl.zeros([BLOCK_N, DIM_A], dtype=tl.float32)
+    dv_a = tl.zeros([BLOCK_N, DIM_A], dtype=tl.float32)
+    dk_b = tl.zeros([BLOCK_N, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
+    dv_b = tl.zeros([BLOCK_N, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     q_start, q_diag, q_tail = query_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     for group_member in range(GROUP_SIZE):
@@ -133,49 +137,49 @@ def _attn_bwd_dkdv_kernel(
         do_base = tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom)
         lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
-        dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+        dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
+            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             offs_n, q_start, q_diag, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
         )
-        dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+        dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
+            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             offs_n, q_diag, q_tail, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, PRECISION,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION,
         )
-        dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+        dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
+            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             offs_n, q_tail, seqlen_q, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
         )
 
-    store_tile(tile_base(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn), dk * softmax_scale,
-               start_n, stride_dkn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
-    store_tile(tile_base(DV, batch, kv_head, k_first, stride_dvb, stride_dvh, stride_dvn), dv,
-               start_n, stride_dvn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
+    store_tile(tile_base(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn), dk_a * softmax_scale,
+               dk_b * softmax_scale, start_n, stride_dkn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, PRECISION)
+    store_tile(tile_base(DV, batch, kv_head, k_first, stride_dvb, stride_dvh, stride_dvn), dv_a, dv_b,
+               start_n, stride_dvn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, PRECISION)
 
 
 @triton.jit
 def _dq_key_loop(
-    dq, q, do, lse_log2, delta,
+    dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta,
     k_base, v_base, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        k = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        v = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        scores = mma(q, tl.trans(k), None, PRECISION) * qk_scale_log2
+        k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
         p = tl.exp2(scores - lse_log2[:, None])
         if MASKED:
             p = tl.where(visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL), p, 0.0)
-        dp = mma(do, tl.trans(v), None, PRECISION)
+        dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = mma(round_to(ds, k.dtype, PRECISION), k, dq, PRECISION)
-    return dq
+        dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
+    return dq_a, dq_b
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -188,7 +192,7 @@ def _attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_stat_b, stride_stat_h,
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -205,10 +209,10 @@ def _attn_bwd_dq_kernel(
     qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
-    q = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
-                  seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
-    do = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m, stride_dom,
-                   seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    q_a, q_b = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
+                         seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
+    do_a, do_b = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m,
+                           stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
     delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
     lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E_CONST
@@ -217,19 +221,20 @@ def _attn_bwd_dq_kernel(
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    dq = _dq_key_loop(
-        dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+    dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
+    dq_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
+    dq_a, dq_b = _dq_key_loop(
+        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION,
     )
-    dq = _dq_key_loop(
-        dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+    dq_a, dq_b = _dq_key_loop(
+        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
         offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
     )
-    store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq * softmax_scale,
-               start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
+    store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq_a * softmax_scale,
+               dq_b * softmax_scale, start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dlse=None,
@@ -253,8 +258,9 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
 
     head_dim_pad = padded_head_dim(head_dim)
+    dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
-    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, IS_VARLEN=layout.is_varlen)
+    common = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, IS_VARLEN=layout.is_varlen)
     matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, IS_CAUSAL=causal, PRECISION=precision_mode(q.dtype, interpreted))
     scales = (softmax_scale, softmax_scale * LOG2E)
 

@@ -28,8 +28,25 @@ class TileConfig:
 
 
 def padded_head_dim(head_dim: int) -> int:
-    """Head dims are padded to a power of two (at least 16, the smallest tl.dot operand)."""
+    """The power of two (at least 16, the smallest tl.dot operand) a head dim pads to; it keys
+    the config table."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def head_dim_chunks(head_dim: int) -> tuple[int, int]:
+    """(DIM_A, DIM_B): the head dim as one or two power-of-two chunks (DIM_B == 0: one chunk).
+
+    Two chunks when they are narrower than padding to one power of two: 80 -> 64 + 16,
+    96 -> 64 + 32, 160 -> 128 + 32, 192 -> 128 + 64; but 111 -> 128 and 224 -> 256, where the
+    two chunks would be as wide as the padding.
+    """
+    padded = padded_head_dim(head_dim)
+    first = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - first
+    second = padded_head_dim(rest) if rest > 0 else 0
+    if second and first + second < padded:
+        return first, second
+    return padded, 0
 
 
 _INTERPRETER = {

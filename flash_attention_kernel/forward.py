@@ -29,25 +29,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import padded_head_dim, tile_config
+from .configs import head_dim_chunks, padded_head_dim, tile_config
 from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
-from .tiles import key_tile_range, load_tile, mma, round_to, sequence_span, store_tile, tile_base, visible
+from .tiles import (
+    key_tile_range, load_tile, mma_into_head, mma_over_head, sequence_span, store_tile, tile_base, visible,
+)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def _fwd_kv_loop(
-    acc, row_sum, row_max, q,
+    acc_a, acc_b, row_sum, row_max, q_a, q_b,
     k_base, v_base, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        k = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        scores = mma(q, tl.trans(k), None, PRECISION) * qk_scale_log2
+        k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
         if MASKED:
             mask = visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL)
             scores = tl.where(mask, scores, float("-inf"))
@@ -59,10 +61,13 @@ def _fwd_kv_loop(
         p = tl.exp2(scores - pivot[:, None])
         alpha = tl.exp2(row_max - pivot)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        acc = mma(round_to(p, v.dtype, PRECISION), v, acc * alpha[:, None], PRECISION)
+        v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        acc_a = acc_a * alpha[:, None]
+        if DIM_B > 0:
+            acc_b = acc_b * alpha[:, None]
+        acc_a, acc_b = mma_into_head(p, v_a, v_b, acc_a, acc_b, DIM_B, PRECISION)
         row_max = new_max
-    return acc, row_sum, row_max
+    return acc_a, acc_b, row_sum, row_max
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -74,7 +79,7 @@ def _attn_fwd_kernel(
     stride_ob, stride_oh, stride_om,
     stride_lse_b, stride_lse_h,
     seqlen_q, seqlen_k, qk_scale_log2,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -93,27 +98,29 @@ def _attn_fwd_kernel(
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True)
+    q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
 
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, row_sum, row_max = _fwd_kv_loop(
-        acc, row_sum, row_max, q, k_base, v_base, stride_kn, stride_vn,
+    acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
+        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION,
     )
-    acc, row_sum, row_max = _fwd_kv_loop(
-        acc, row_sum, row_max, q, k_base, v_base, stride_kn, stride_vn,
+    acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
+        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, stride_kn, stride_vn,
         offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
     )
 
     empty_row = row_sum == 0.0
-    out = acc / tl.where(empty_row, 1.0, row_sum)[:, None]
+    inv_sum = 1.0 / tl.where(empty_row, 1.0, row_sum)
     o_base = tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om)
-    store_tile(o_base, out, start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, PRECISION)
+    store_tile(o_base, acc_a * inv_sum[:, None], acc_b * inv_sum[:, None], start_m, stride_om, seqlen_q, BLOCK_M,
+               HEAD_DIM, DIM_A, DIM_B, PRECISION)
     lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(row_sum)) * LN2)
     lse_base = tile_base(Lse, batch, head, q_first, stride_lse_b, stride_lse_h, 1)
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
@@ -140,16 +147,16 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
     if k.numel() == 0:  # no keys: every row is empty
         return out.zero_(), lse.fill_(float("inf"))
 
-    head_dim_pad = padded_head_dim(head_dim)
+    dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config = tile_config("fwd", head_dim_pad, q.dtype, interpreted)
+    config = tile_config("fwd", padded_head_dim(head_dim), q.dtype, interpreted)
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
     wrap_kernel(_attn_fwd_kernel)[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out), *layout.stat_strides(lse),
         seqlen_q, seqlen_k, softmax_scale * LOG2E,
-        GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
         IS_CAUSAL=causal, IS_VARLEN=layout.is_varlen, PRECISION=precision_mode(q.dtype, interpreted),
         **config.launch_args(),
     )

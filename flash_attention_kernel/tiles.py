@@ -9,9 +9,12 @@ Two rules keep the addressing safe:
 * 64-bit offsets. ``program_id`` and ``arange`` are int32, so ``row * stride`` silently wraps once
   a slice or the whole tensor passes 2**31 elements. The per-(sequence, head) base and the first
   row of a tile are therefore offset in int64 (``tile_base``); only in-tile offsets stay int32.
-* Masks only where needed. ``CHECK_ROWS`` (a tile that may cross the sequence end) and a padded head
-  dim (``HEAD_DIM < HEAD_DIM_PAD``: head dims are padded to a power of two for ``tl.dot``) are
-  compile-time flags, so tiles in the interior of the sequence compile to unmasked loads.
+* Masks only where needed. ``CHECK_ROWS`` (a tile that may cross the sequence end) and a padded
+  head-dim chunk (its columns pass HEAD_DIM) are compile-time facts, so tiles in the interior of
+  the sequence with a power-of-two head dim compile to unmasked loads.
+
+The head dim of every tile is held as one or two power-of-two chunks (``load_tile``), so that a
+head dim like 80 or 192 costs 64 + 16 or 128 + 64 columns of work instead of 128 or 256.
 """
 
 import triton
@@ -36,22 +39,33 @@ def tile_base(base_ptr, batch, head, first_row, stride_batch, stride_head, strid
 
 
 @triton.jit
-def _tile_ptrs_and_mask(
+def _chunk_ptrs_and_mask(
     base_ptr,
     start_row,
     stride_row,
     num_rows,
     BLOCK_ROWS: tl.constexpr,
+    COL_START: tl.constexpr,
+    COLS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, HEAD_DIM_PAD)
+    cols = COL_START + tl.arange(0, COLS)
     ptrs = base_ptr + tl.cast(start_row, tl.int64) * stride_row + (rows[:, None] * stride_row + cols[None, :])
     # Both masks are always formed; the callers use them only under their compile-time flags,
     # and an unused mask is dead code that the compiler drops.
     mask = ((start_row + rows)[:, None] < num_rows) & (cols[None, :] < HEAD_DIM)
     return ptrs, mask
+
+
+@triton.jit
+def _load_chunk(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS: tl.constexpr, COL_START: tl.constexpr,
+                COLS: tl.constexpr, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    ptrs, mask = _chunk_ptrs_and_mask(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, COL_START, COLS, HEAD_DIM)
+    if CHECK_ROWS or COL_START + COLS > HEAD_DIM:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -62,37 +76,52 @@ def load_tile(
     num_rows,
     BLOCK_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
+    DIM_A: tl.constexpr,
+    DIM_B: tl.constexpr,
     CHECK_ROWS: tl.constexpr,
 ):
-    """Load rows [start_row, start_row + BLOCK_ROWS) x [0, HEAD_DIM_PAD) of a slice; zeros outside."""
-    ptrs, mask = _tile_ptrs_and_mask(
-        base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, HEAD_DIM, HEAD_DIM_PAD
-    )
-    if CHECK_ROWS or HEAD_DIM < HEAD_DIM_PAD:
-        return tl.load(ptrs, mask=mask, other=0.0)
+    """Load rows [start_row, start_row + BLOCK_ROWS) of a slice as two head-dim chunks.
+
+    Chunk a holds columns [0, DIM_A), chunk b columns [DIM_A, DIM_A + DIM_B); both widths are
+    powers of two (tl.dot needs them), so a head dim of 80 is read as 64 + 16 instead of being
+    padded to 128 (see configs.head_dim_chunks). DIM_B == 0 means a single chunk; b is then an
+    unused zero tile. Elements outside the slice or past HEAD_DIM read as zeros.
+    """
+    a = _load_chunk(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, 0, DIM_A, HEAD_DIM, CHECK_ROWS)
+    if DIM_B > 0:
+        b = _load_chunk(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, DIM_A, DIM_B, HEAD_DIM, CHECK_ROWS)
     else:
-        return tl.load(ptrs)
+        b = tl.zeros([BLOCK_ROWS, 16], dtype=a.dtype)
+    return a, b
+
+
+@triton.jit
+def _store_chunk(base_ptr, chunk, start_row, stride_row, num_rows, BLOCK_ROWS: tl.constexpr,
+                 COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    ptrs, mask = _chunk_ptrs_and_mask(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, COL_START, COLS, HEAD_DIM)
+    element_type: tl.constexpr = base_ptr.dtype.element_ty
+    tl.store(ptrs, round_to(chunk, element_type, PRECISION).to(element_type), mask=mask)
 
 
 @triton.jit
 def store_tile(
     base_ptr,
-    tile,
+    tile_a,
+    tile_b,
     start_row,
     stride_row,
     num_rows,
     BLOCK_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
+    DIM_A: tl.constexpr,
+    DIM_B: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Store a (BLOCK_ROWS, HEAD_DIM_PAD) tile, dropping rows past num_rows and padded columns."""
-    ptrs, mask = _tile_ptrs_and_mask(
-        base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, HEAD_DIM, HEAD_DIM_PAD
-    )
-    element_type: tl.constexpr = base_ptr.dtype.element_ty
-    tl.store(ptrs, round_to(tile, element_type, PRECISION).to(element_type), mask=mask)
+    """Store a tile held as head-dim chunks (as ``load_tile`` returns them), dropping rows past
+    num_rows and columns past HEAD_DIM."""
+    _store_chunk(base_ptr, tile_a, start_row, stride_row, num_rows, BLOCK_ROWS, 0, DIM_A, HEAD_DIM, PRECISION)
+    if DIM_B > 0:
+        _store_chunk(base_ptr, tile_b, start_row, stride_row, num_rows, BLOCK_ROWS, DIM_A, DIM_B, HEAD_DIM, PRECISION)
 
 
 @triton.jit
@@ -134,6 +163,26 @@ def round_to(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def mma_over_head(x_a, x_b, y_a, y_b, DIM_B: tl.constexpr, PRECISION: tl.constexpr):
+    """x @ y^T, contracting the head dim held as chunks (x_a, x_b) and (y_a, y_b)."""
+    product = mma(x_a, tl.trans(y_a), None, PRECISION)
+    if DIM_B > 0:
+        product = mma(x_b, tl.trans(y_b), product, PRECISION)
+    return product
+
+
+@triton.jit
+def mma_into_head(p, y_a, y_b, acc_a, acc_b, DIM_B: tl.constexpr, PRECISION: tl.constexpr):
+    """(acc_a, acc_b) + p @ (y_a, y_b): a product whose columns are the head dim, chunk by chunk.
+    ``p`` is fp32 and rounded to the operands' dtype here."""
+    p = round_to(p, y_a.dtype, PRECISION)
+    acc_a = mma(p, y_a, acc_a, PRECISION)
+    if DIM_B > 0:
+        acc_b = mma(p, y_b, acc_b, PRECISION)
+    return acc_a, acc_b
 
 
 @triton.jit
