@@ -58,8 +58,8 @@ def _inputs(head_dim, dtype=torch.bfloat16):
 def _with_config(kernel, config):
     """Make the launchers use ``config`` for ``kernel`` and the table for the others."""
 
-    def choose(name, head_dim_pad, dtype, interpreted):
-        return config if name == kernel else configs.tile_config(name, head_dim_pad, dtype, interpreted)
+    def choose(name, head_dim, dtype, interpreted):
+        return config if name == kernel else configs.tile_config(name, head_dim, dtype, interpreted)
 
     forward_module.tile_config = choose
     backward_module.tile_config = choose
@@ -116,7 +116,7 @@ def main(argv):
     for kernel in args.kernels:
         for head_dim in args.head_dims:
             tensors = _inputs(head_dim)
-            current = configs.tile_config(kernel, configs.padded_head_dim(head_dim), torch.bfloat16, False)
+            current = configs.tile_config(kernel, head_dim, torch.bfloat16, False)
             current_key = (current.block_m, current.block_n, current.num_warps, current.num_stages)
             timings = {}
             for config in dict.fromkeys([current_key, *CANDIDATES[kernel]]):

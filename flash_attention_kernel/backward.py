@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_chunks, padded_head_dim, tile_config
+from .configs import head_dim_chunks, tile_config
 from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
 from .tiles import (
     key_tile_range, load_row_stat, load_tile, mma_into_head, mma_over_head, query_tile_range, sequence_span,
@@ -257,7 +257,6 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     delta = layout.new_row_stats(q)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
 
-    head_dim_pad = padded_head_dim(head_dim)
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
     common = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, IS_VARLEN=layout.is_varlen)
@@ -271,7 +270,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         BLOCK_M=pre_block, HAS_DLSE=dlse is not None, **common,
     )
 
-    config = tile_config("bwd_dkdv", head_dim_pad, q.dtype, interpreted)
+    config = tile_config("bwd_dkdv", head_dim, q.dtype, interpreted)
     wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, config.block_n), num_heads_kv, layout.batch)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
@@ -279,7 +278,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
     )
 
-    config = tile_config("bwd_dq", head_dim_pad, q.dtype, interpreted)
+    config = tile_config("bwd_dq", head_dim, q.dtype, interpreted)
     wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, config.block_m), num_heads, layout.batch)](
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(dq),

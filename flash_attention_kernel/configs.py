@@ -1,6 +1,7 @@
 """Launch configurations: tile sizes, warps and pipeline stages for each kernel.
 
-Configs are picked from a small fixed table keyed by the padded head dim and the element size;
+Configs are picked from a small fixed table keyed by the head-dim width the kernels compute
+(the padded head dim, or the sum of its two chunks where one exists) and the element size;
 there is no run-time autotuning, so a new shape never pays for a tuning sweep and a new sequence
 length never recompiles (sequence lengths are plain runtime integers in every kernel).
 
@@ -55,20 +56,25 @@ _INTERPRETER = {
     "bwd_dq": TileConfig(64, 32, 4, 1),
 }
 
-# GPU table: (kernel, padded head dim) -> config for 2-byte inputs, tuned by
+# GPU table: (kernel, computed head-dim width) -> config for 2-byte inputs, tuned by
 # benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16, causal and not;
-# see benchmarks/NOTES.md, v2).
+# see benchmarks/NOTES.md, v2 and v3). Widths of two chunks (80, 96, 160, 192, ...) without an
+# entry of their own take the entry of the padded power of two.
 _GPU = {
     ("fwd", 16): TileConfig(64, 64, 4, 3),
     ("fwd", 32): TileConfig(64, 64, 4, 3),
     ("fwd", 64): TileConfig(128, 64, 8, 3),
     ("fwd", 128): TileConfig(128, 128, 8, 3),
     ("fwd", 256): TileConfig(128, 64, 8, 2),
+    ("fwd", 80): TileConfig(128, 64, 4, 3),
+    ("fwd", 192): TileConfig(128, 64, 8, 3),
     ("bwd_dkdv", 16): TileConfig(64, 64, 4, 2),
     ("bwd_dkdv", 32): TileConfig(64, 64, 4, 2),
     ("bwd_dkdv", 64): TileConfig(64, 64, 4, 2),
     ("bwd_dkdv", 128): TileConfig(32, 64, 4, 2),
     ("bwd_dkdv", 256): TileConfig(64, 64, 8, 2),
+    ("bwd_dkdv", 80): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 192): TileConfig(32, 128, 8, 3),
     ("bwd_dq", 16): TileConfig(64, 64, 4, 3),
     ("bwd_dq", 32): TileConfig(64, 64, 4, 3),
     ("bwd_dq", 64): TileConfig(128, 64, 8, 3),
@@ -86,10 +92,11 @@ _GPU_FP32 = {
 _GPU_FP32_HEAD_DIM_256 = {**_GPU_FP32, "bwd_dkdv": TileConfig(16, 32, 8, 1), "bwd_dq": TileConfig(32, 16, 8, 1)}
 
 
-def tile_config(kernel: str, head_dim_pad: int, dtype: torch.dtype, interpreted: bool) -> TileConfig:
-    """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"}."""
+def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -> TileConfig:
+    """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``."""
     if interpreted:
         return _INTERPRETER[kernel]
+    padded = padded_head_dim(head_dim)
     if dtype == torch.float32:
-        return (_GPU_FP32_HEAD_DIM_256 if head_dim_pad == 256 else _GPU_FP32)[kernel]
-    return _GPU[(kernel, head_dim_pad)]
+        return (_GPU_FP32_HEAD_DIM_256 if padded == 256 else _GPU_FP32)[kernel]
+    return _GPU.get((kernel, sum(head_dim_chunks(head_dim))), _GPU[(kernel, padded)])

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_chunks, padded_head_dim, tile_config
+from .configs import head_dim_chunks, tile_config
 from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
 from .tiles import (
     key_tile_range, load_tile, mma_into_head, mma_over_head, sequence_span, store_tile, tile_base, visible,
@@ -149,7 +149,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config = tile_config("fwd", padded_head_dim(head_dim), q.dtype, interpreted)
+    config = tile_config("fwd", head_dim, q.dtype, interpreted)
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
     wrap_kernel(_attn_fwd_kernel)[grid](
