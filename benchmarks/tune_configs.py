@@ -1,8 +1,8 @@
 """Offline tuning of the launch-config table in flash_attention_kernel/configs.py.
 
 Run on the target GPU. For each kernel (fwd, bwd_dkdv, bwd_dq) and head dim it times a short
-list of candidate tile configs on the benchmark's shape (16k tokens, hidden 2048, N = 4096,
-bf16, causal and non-causal; layout (batch, seqlen, heads, dim)) and reports the config with the
+list of candidate tile configs on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen,
+4096 by default, bf16, causal and non-causal; layout (batch, seqlen, heads, dim)) and reports the config with the
 lowest summed time over both masks, next to the current table entry, and the best config for
 each mask alone (what a causal-specific table entry would gain). The forward is timed
 alone; each backward kernel is timed through the whole backward with the other kernel at its
@@ -35,7 +35,7 @@ from flash_attention_kernel import backward as backward_module  # noqa: E402
 from flash_attention_kernel import configs  # noqa: E402
 from flash_attention_kernel import forward as forward_module  # noqa: E402
 
-TOKENS, HIDDEN, SEQLEN = 16384, 2048, 4096
+TOKENS, HIDDEN = 16384, 2048
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 CANDIDATES = {
     "fwd": [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3),
@@ -50,9 +50,9 @@ CANDIDATES = {
 }
 
 
-def _inputs(head_dim, dtype=torch.bfloat16):
-    batch, heads = TOKENS // SEQLEN, HIDDEN // head_dim
-    return [torch.randn(batch, SEQLEN, heads, head_dim, device="cuda", dtype=dtype) for _ in range(4)]
+def _inputs(head_dim, seqlen, dtype=torch.bfloat16):
+    batch, heads = TOKENS // seqlen, HIDDEN // head_dim
+    return [torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(4)]
 
 
 def _with_config(kernel, config):
@@ -75,10 +75,10 @@ def _run(kernel, head_dim, causal, tensors):
 
 
 def _compile_worker(jobs):
-    """Launch each (kernel, head_dim, config) once so that Triton caches the binaries."""
-    for kernel, head_dim, config in jobs:
+    """Launch each (kernel, head_dim, seqlen, config) once so that Triton caches the binaries."""
+    for kernel, head_dim, seqlen, config in jobs:
         _with_config(kernel, configs.TileConfig(*config))
-        tensors = _inputs(head_dim)
+        tensors = _inputs(head_dim, seqlen)
         for causal in (False, True):
             try:
                 _run(kernel, head_dim, causal, tensors)()
@@ -102,11 +102,12 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--kernels", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--seqlen", type=int, default=4096, help="N; batch = 16k tokens / N")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
 
-    jobs = [(kernel, head_dim, config) for kernel in args.kernels for head_dim in args.head_dims
+    jobs = [(kernel, head_dim, args.seqlen, config) for kernel in args.kernels for head_dim in args.head_dims
             for config in CANDIDATES[kernel]]
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -115,7 +116,7 @@ def main(argv):
     results = []
     for kernel in args.kernels:
         for head_dim in args.head_dims:
-            tensors = _inputs(head_dim)
+            tensors = _inputs(head_dim, args.seqlen)
             current = configs.tile_config(kernel, head_dim, torch.bfloat16, False)
             current_key = (current.block_m, current.block_n, current.num_warps, current.num_stages)
             timings = {}
