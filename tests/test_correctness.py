@@ -6,15 +6,9 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from inputs import random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref, run_ref
 from sizes import DTYPES, HEAD_DIMS, HEADS, LONG_SEQLENS, SEQLENS
-
-
-def _inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype):
-    q = torch.randn(batch, seqlen_q, heads_q, head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=DEVICE, dtype=dtype)
-    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=DEVICE, dtype=dtype)
-    return q, k, v
 
 
 def check_against_reference(fa, q, k, v, causal, softmax_scale=None):
@@ -53,26 +47,28 @@ CASES = [
 )
 def test_flash_attn_func(fa, dtype, causal, seqlens, head_dim, heads):
     batch, heads_q, heads_kv = heads
-    q, k, v = _inputs(batch, *seqlens, heads_q, heads_kv, head_dim, dtype)
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = random_qkv((batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim), dtype)
     check_against_reference(fa, q, k, v, causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_head_dims(fa, head_dim, dtype):
-    q, k, v = _inputs(1, *LONG_SEQLENS, 2, 1, head_dim, dtype)
+    seqlen_q, seqlen_k = LONG_SEQLENS
+    q, k, v = random_qkv((1, seqlen_q, 2, head_dim), (1, seqlen_k, 1, head_dim), dtype)
     check_against_reference(fa, q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("softmax_scale", [0.05, 1.0, 3.0])
 def test_softmax_scale(fa, softmax_scale):
-    q, k, v = _inputs(1, 113, 203, 2, 2, 64, torch.float16)
+    q, k, v = random_qkv((1, 113, 2, 64), (1, 203, 2, 64))
     check_against_reference(fa, q, k, v, causal=True, softmax_scale=softmax_scale)
 
 
 def test_large_scores(fa):
     """Scaled-up inputs (flash-attn's overflow test): large logits must not overflow or lose mass."""
-    q, k, v = _inputs(1, 113, 203, 2, 1, 64, torch.bfloat16)
+    q, k, v = random_qkv((1, 113, 2, 64), (1, 203, 1, 64), torch.bfloat16)
     check_against_reference(fa, q * 5, k * 3, v * 3, causal=True)
 
 

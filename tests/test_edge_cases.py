@@ -4,14 +4,9 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU
-from reference import run_ref
+from inputs import random_qkv
+from reference import attention_ref, run_ref
 from test_correctness import check_against_reference
-
-
-def _qkv(shape_q, shape_kv, dtype=torch.float16):
-    return (torch.randn(*shape_q, device=DEVICE, dtype=dtype),
-            torch.randn(*shape_kv, device=DEVICE, dtype=dtype),
-            torch.randn(*shape_kv, device=DEVICE, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
@@ -19,7 +14,7 @@ def test_rows_without_keys(fa, dtype):
     """Bottom-right causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key.
     They output 0 with lse = +inf, and every gradient stays finite (their dq rows are 0)."""
     seqlen_q, seqlen_k = 113, 40
-    q, k, v = (t.requires_grad_() for t in _qkv((1, seqlen_q, 2, 64), (1, seqlen_k, 1, 64), dtype))
+    q, k, v = random_qkv((1, seqlen_q, 2, 64), (1, seqlen_k, 1, 64), dtype, requires_grad=True)
     out, lse, _ = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     empty = seqlen_q - seqlen_k
     assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
@@ -33,7 +28,7 @@ def test_rows_without_keys(fa, dtype):
 
 def test_no_keys(fa):
     """seqlen_k == 0: every row is empty."""
-    q, k, v = (t.requires_grad_() for t in _qkv((2, 17, 2, 32), (2, 0, 2, 32)))
+    q, k, v = random_qkv((2, 17, 2, 32), (2, 0, 2, 32), requires_grad=True)
     out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
     out.sum().backward()
@@ -43,7 +38,7 @@ def test_no_keys(fa):
 
 @pytest.mark.parametrize("shape_q, shape_kv", [((0, 17, 2, 32), (0, 17, 2, 32)), ((2, 0, 2, 32), (2, 17, 2, 32))])
 def test_empty_inputs(fa, shape_q, shape_kv):
-    q, k, v = (t.requires_grad_() for t in _qkv(shape_q, shape_kv))
+    q, k, v = random_qkv(shape_q, shape_kv, requires_grad=True)
     out = fa.flash_attn_func(q, k, v, causal=True)
     assert out.shape == q.shape
     out.sum().backward()
@@ -52,13 +47,10 @@ def test_empty_inputs(fa, shape_q, shape_kv):
 
 def test_lse_gradient(fa):
     """A loss that uses softmax_lse gets its gradient too (ring attention merges outputs by lse)."""
-    q, k, v = _qkv((1, 113, 2, 64), (1, 203, 2, 64), torch.float32)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
+    leaves = random_qkv((1, 113, 2, 64), (1, 203, 2, 64), torch.float32, requires_grad=True)
     out, lse, _ = fa.flash_attn_func(*leaves, causal=True, return_attn_probs=True)
     grads = torch.autograd.grad(out.sum() + (lse * lse).sum(), leaves)
-    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    from reference import attention_ref
-
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref_out, ref_lse = attention_ref(*ref_leaves, True, 64 ** -0.5, torch.float64)
     ref_grads = torch.autograd.grad(ref_out.sum() + (ref_lse * ref_lse).sum(), ref_leaves)
     for ours, ref in zip(grads, ref_grads):

@@ -4,13 +4,11 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from inputs import cu_seqlens, random_qkv
 
 
-def _qkv(dtype=torch.float16, seqlen_q=113, seqlen_k=203, heads=(4, 2), head_dim=64):
-    q = torch.randn(2, seqlen_q, heads[0], head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(2, seqlen_k, heads[1], head_dim, device=DEVICE, dtype=dtype)
-    v = torch.randn(2, seqlen_k, heads[1], head_dim, device=DEVICE, dtype=dtype)
-    return q, k, v
+def _qkv(dtype=torch.float16, heads=(4, 2), requires_grad=False):
+    return random_qkv((2, 113, heads[0], 64), (2, 203, heads[1], 64), dtype, requires_grad)
 
 
 DENSE = (None, None, 0, 0)
@@ -18,13 +16,13 @@ DENSE = (None, None, 0, 0)
 
 def _varlen_options():
     lengths = [17, 0, 40, 5]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu = cu_seqlens(lengths)
     return sum(lengths), (cu, cu, max(lengths), max(lengths))
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_fwd(fa, causal):
-    q, k, v = (t.requires_grad_() for t in _qkv())
+    q, k, v = _qkv(requires_grad=True)
     torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *DENSE, 0.125, causal))
 
 
@@ -54,7 +52,7 @@ def test_opcheck_varlen_and_packed(fa):
 def test_torch_compile_fullgraph(fa):
     """forward + backward compile into one graph, and match eager exactly."""
 
-    q, k, v = (t.requires_grad_() for t in _qkv())
+    q, k, v = _qkv(requires_grad=True)
     dout = torch.randn_like(q)
 
     def loss_grads(fn):
@@ -83,7 +81,7 @@ def test_torch_compile_fullgraph(fa):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 def test_bitwise_repeatable(fa, dtype):
     """Forward and backward give identical bits on every run (no atomics anywhere)."""
-    q, k, v = (t.requires_grad_() for t in _qkv(dtype, heads=(6, 2)))
+    q, k, v = _qkv(dtype, heads=(6, 2), requires_grad=True)
     dout = torch.randn_like(q)
     runs = []
     for _ in range(3):

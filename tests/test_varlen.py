@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU
+from inputs import cu_seqlens, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref
 
 # Per-sequence (q lengths, k lengths); k None = same as q.
@@ -23,15 +24,8 @@ BATCHES_GPU = {
 BATCHES = BATCHES_GPU if ON_GPU else BATCHES_CPU
 
 
-def _cu_seqlens(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-
-
-def _varlen_inputs(lens_q, lens_k, heads_q, heads_kv, head_dim, dtype):
-    q = torch.randn(sum(lens_q), heads_q, head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(sum(lens_k), heads_kv, head_dim, device=DEVICE, dtype=dtype)
-    v = torch.randn(sum(lens_k), heads_kv, head_dim, device=DEVICE, dtype=dtype)
-    return q, k, v
+def _varlen_inputs(lens_q, lens_k, heads_q, heads_kv, head_dim, dtype, requires_grad=False):
+    return random_qkv((sum(lens_q), heads_q, head_dim), (sum(lens_k), heads_kv, head_dim), dtype, requires_grad)
 
 
 def varlen_ref(q, k, v, dout, cu_q, cu_k, causal, scale, dtype):
@@ -50,7 +44,7 @@ def varlen_ref(q, k, v, dout, cu_q, cu_k, causal, scale, dtype):
 
 
 def check_varlen(fa, q, k, v, lens_q, lens_k, causal):
-    cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     scale = 1.0 / math.sqrt(q.shape[-1])
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out, lse, _ = fa.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
@@ -92,7 +86,7 @@ def test_varlen_matches_dense(fa):
     """A batch of equal lengths gives the dense kernel's result, bit for bit."""
     batch, seqlen, heads, head_dim = 3, 113, 4, 64
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.float16) for _ in range(3))
-    cu = _cu_seqlens([seqlen] * batch)
+    cu = cu_seqlens([seqlen] * batch)
     dense, dense_lse, _ = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     varlen, varlen_lse, _ = fa.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqlen, seqlen,
                                                       causal=True, return_attn_probs=True)
@@ -113,7 +107,7 @@ def test_packed_variants(fa, varlen):
     heads, head_dim, causal = 4, 64, True
     if varlen:
         lens = [17, 1, 40, 0, 9]
-        cu, longest = _cu_seqlens(lens), max(lens)
+        cu, longest = cu_seqlens(lens), max(lens)
         qkv = torch.randn(sum(lens), 3, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
         unpacked = lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)  # noqa: E731
         qkv_fn = lambda qkv: fa.flash_attn_varlen_qkvpacked_func(qkv, cu, longest, causal=causal)  # noqa: E731
@@ -148,8 +142,8 @@ def test_unpad_pad_roundtrip(fa):
     unused[2, 4:6] = True
     x = torch.randn(batch, seqlen, hidden, device=DEVICE, requires_grad=True)
 
-    packed, indices, cu_seqlens, max_seqlen, seqused = from_padding.unpad_input(x, mask, unused)
-    assert cu_seqlens.tolist() == [0, 11, 11, 17] and cu_seqlens.dtype == torch.int32
+    packed, indices, cu, max_seqlen, seqused = from_padding.unpad_input(x, mask, unused)
+    assert cu.tolist() == [0, 11, 11, 17] and cu.dtype == torch.int32
     assert max_seqlen == 11 and isinstance(max_seqlen, int) and seqused.tolist() == [11, 0, 4]
     assert torch.equal(packed, x.reshape(-1, hidden)[(mask | unused).flatten()])
     padded = from_padding.pad_input(packed, indices, batch, seqlen)
@@ -175,8 +169,8 @@ def test_varlen_through_padding_helpers(fa):
 
 def test_varlen_reference_batch_is_bitwise_repeatable(fa):
     lens = BATCHES["one_long_many_short"][0]
-    q, k, v = (t.requires_grad_() for t in _varlen_inputs(lens, lens, 4, 2, 64, torch.bfloat16))
-    cu = _cu_seqlens(lens)
+    q, k, v = _varlen_inputs(lens, lens, 4, 2, 64, torch.bfloat16, requires_grad=True)
+    cu = cu_seqlens(lens)
     dout = torch.randn_like(q)
     runs = []
     for _ in range(2):
