@@ -22,17 +22,12 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench_flash_attention import attention_flops, load_kernel, time_tflops
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEAD_DIMS = [64, 80, 96, 128, 160, 192, 224, 256]
-
-
-def load_kernel():
-    import kernels
-
-    return kernels.get_local_kernel(REPO_ROOT / "build")
 
 
 def head_dim_table(fa, seqlen=4096, heads=16, tokens=16384):
@@ -41,13 +36,10 @@ def head_dim_table(fa, seqlen=4096, heads=16, tokens=16384):
     for head_dim in HEAD_DIMS:
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
-        flops = 4 * batch * heads * seqlen * seqlen * head_dim
-        out = fa.flash_attn_func(q, k, v)
-        dout = torch.randn_like(out)
-        forward_ms = triton.testing.do_bench(lambda: fa.flash_attn_func(q, k, v), return_mode="median")
-        backward_ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                                              return_mode="median")
-        rates[head_dim] = (flops / forward_ms * 1e-9, 2.5 * flops / backward_ms * 1e-9)
+        rates[head_dim] = tuple(
+            time_tflops(lambda: fa.flash_attn_func(q, k, v), (q, k, v),
+                        attention_flops(batch, heads, seqlen, head_dim, False, direction), direction)
+            for direction in ("fwd", "bwd"))
     print(f"\nhead dims (bf16, {heads} heads, N = {seqlen}, non-causal): TFLOP/s and ratio to the next power of two")
     print(f"{'d':>4} {'fwd':>7} {'ratio':>6} {'bwd':>7} {'ratio':>6}")
     for head_dim, (forward, backward) in rates.items():

@@ -86,20 +86,12 @@ def bench_one(attention, provider, direction, dtype, head_dim, causal, seqlen):
     batch, heads = TOKENS // seqlen, HIDDEN // head_dim
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True)
                for _ in range(3))
+    flops = attention_flops(batch, heads, seqlen, head_dim, causal, direction)
     try:
-        forward = attention.forward_fn(provider, q, k, v, causal)
-        if direction == "fwd":
-            fn = forward
-        else:
-            out = forward()
-            dout = torch.randn_like(out)
-            fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-        fn()
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return time_tflops(attention.forward_fn(provider, q, k, v, causal), (q, k, v), flops, direction)
     except RuntimeError as error:  # a backend without a kernel for this shape/dtype
         print(f"  {provider} {direction} {dtype} d{head_dim} N{seqlen}: unavailable ({str(error).splitlines()[0]})")
         return float("nan")
-    return attention_flops(batch, heads, seqlen, head_dim, causal, direction) / ms * 1e-9
 
 
 def mixed_lengths(total=TOKENS, low=128, high=4096, seed=0):
@@ -114,9 +106,12 @@ def mixed_lengths(total=TOKENS, low=128, high=4096, seed=0):
     return lengths
 
 
-def time_tflops(fn, flops, direction):
+def time_tflops(forward, leaves, flops, direction):
+    """TFLOP/s of ``forward()`` ("fwd"), or of the backward alone into ``leaves`` ("bwd": the
+    forward graph is built once and kept), from the do_bench median."""
+    fn = forward
     if direction == "bwd":
-        out, leaves = fn()
+        out = forward()
         dout = torch.randn_like(out)
         fn = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)  # noqa: E731
     fn()
@@ -143,17 +138,17 @@ def bench_varlen(fa, head_dim=128, dtype=torch.bfloat16):
 
             def sdpa_padded():
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                    return torch.nn.functional.scaled_dot_product_attention(*padded, is_causal=causal), padded
+                    return torch.nn.functional.scaled_dot_product_attention(*padded, is_causal=causal)
 
             row = dict(direction=direction, causal=causal, tokens=sum(lengths), sequences=batch, longest=longest)
             row["varlen"] = time_tflops(
-                lambda: (fa.flash_attn_varlen_func(*packed, cu, cu, longest, longest, causal=causal), packed),
-                real_flops, direction)
+                lambda: fa.flash_attn_varlen_func(*packed, cu, cu, longest, longest, causal=causal),
+                packed, real_flops, direction)
             row["padded"] = time_tflops(
-                lambda: (fa.flash_attention_forward(*padded, causal=causal), padded), real_flops, direction)
-            row["sdpa-flash-padded"] = time_tflops(sdpa_padded, real_flops, direction)
+                lambda: fa.flash_attention_forward(*padded, causal=causal), padded, real_flops, direction)
+            row["sdpa-flash-padded"] = time_tflops(sdpa_padded, padded, real_flops, direction)
             row["dense-uniform"] = time_tflops(
-                lambda: (fa.flash_attention_forward(*uniform, causal=causal), uniform),
+                lambda: fa.flash_attention_forward(*uniform, causal=causal), uniform,
                 attention_flops(batch, heads, mean, head_dim, causal, direction), direction)
             rows.append(row)
     print("direction  mask    varlen  padded  sdpa-flash-padded  dense-uniform   x sdpa-flash-padded  x dense-uniform")
