@@ -1,12 +1,13 @@
 """Offline tuning of the launch-config table in flash_attention_kernel/configs.py.
 
-Run on the target GPU. For each kernel (fwd, bwd_dkdv, bwd_dq) and head dim it times a short
-list of candidate tile configs on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen,
-4096 by default, bf16, causal and non-causal; layout (batch, seqlen, heads, dim)) and reports the config with the
-lowest summed time over both masks, next to the current table entry, and the best config for
-each mask alone (what a causal-specific table entry would gain). The forward is timed
-alone; each backward kernel is timed through the whole backward with the other kernel at its
-current config (the preprocess pass is common to all candidates).
+Run on the target GPU. For each kernel (fwd, bwd_dkdv, bwd_dq), head dim and mask (causal or
+not) it times a short list of candidate configs, each with and without tensor descriptors (TMA),
+on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default, bf16; layout
+(batch, seqlen, heads, dim)), checks that each candidate computes what the current table entry
+computes, and reports the fastest next to the current entry. The forward is timed alone; each
+backward kernel is timed through the whole backward with the other kernel at its current config
+(the preprocess pass is common to all candidates). Run it with --seqlen 1024 for the
+short-sequence entries (configs.SHORT_SEQLEN).
 
 Compilation dominates a sweep, so a first phase compiles every candidate in --jobs worker
 processes (filling Triton's on-disk cache) and the timing phase then runs on one process.
@@ -14,10 +15,11 @@ Configs that do not fit (shared memory, registers) are reported and skipped. Cop
 into configs.py by hand, with the date and device in the lab notebook (benchmarks/NOTES.md).
 
 Usage: python benchmarks/tune_configs.py [--head-dims 64 128 256] [--kernels fwd bwd_dkdv bwd_dq]
-       [--jobs 8] [--out tune.json]
+       [--seqlen 4096] [--jobs 8] [--out tune.json]
 """
 
 import argparse
+from dataclasses import astuple
 import json
 import multiprocessing
 import sys
@@ -36,11 +38,10 @@ from flash_attention_kernel import configs  # noqa: E402
 from flash_attention_kernel import forward as forward_module  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
-CANDIDATES = {
-    "fwd": [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3),
-            (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4),
-            (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 4, 2)],
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); each is tried with and without tensor descriptors (TMA)
+_TILES = {
+    "fwd": [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+            (128, 128, 8, 3)],
     "bwd_dkdv": [(16, 64, 4, 2), (16, 128, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2),
                  (32, 128, 4, 2), (32, 128, 8, 2), (32, 128, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                  (64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 1), (64, 128, 8, 2), (128, 64, 8, 2)],
@@ -48,6 +49,7 @@ CANDIDATES = {
                (128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 8, 4),
                (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
 }
+CANDIDATES = {kernel: [tile + (tma,) for tile in tiles for tma in (False, True)] for kernel, tiles in _TILES.items()}
 
 
 def _inputs(head_dim, seqlen, dtype=torch.bfloat16):
@@ -58,8 +60,8 @@ def _inputs(head_dim, seqlen, dtype=torch.bfloat16):
 def _with_config(kernel, config):
     """Make the launchers use ``config`` for ``kernel`` and the table for the others."""
 
-    def choose(name, head_dim, dtype, interpreted):
-        return config if name == kernel else configs.tile_config(name, head_dim, dtype, interpreted)
+    def choose(name, head_dim, dtype, interpreted, causal=False, seqlen=0):
+        return config if name == kernel else configs.tile_config(name, head_dim, dtype, interpreted, causal, seqlen)
 
     forward_module.tile_config = choose
     backward_module.tile_config = choose
@@ -87,15 +89,43 @@ def _compile_worker(jobs):
     torch.cuda.synchronize()
 
 
-def time_config(kernel, head_dim, config, tensors):
-    """Milliseconds (non-causal, causal) of ``kernel`` with ``config``."""
+def _max_difference(result, reference):
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(result, reference))
+
+
+def time_config(kernel, head_dim, config, causal, tensors, reference):
+    """Milliseconds of ``kernel`` with ``config``, and the largest difference of its results
+    from ``reference`` (the current table entry's)."""
     _with_config(kernel, configs.TileConfig(*config))
-    times = []
-    for causal in (False, True):
-        fn = _run(kernel, head_dim, causal, tensors)
-        fn()
-        times.append(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
-    return tuple(times)
+    fn = _run(kernel, head_dim, causal, tensors)
+    difference = _max_difference(fn(), reference)
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"), difference
+
+
+def tune(kernel, head_dim, causal, seqlen):
+    """Time every candidate for one (kernel, head dim, mask); returns the result record."""
+    tensors = _inputs(head_dim, seqlen)
+    mask = "causal" if causal else "non-causal"
+    current = astuple(configs.tile_config(kernel, head_dim, torch.bfloat16, False, causal, seqlen))
+    _with_config(kernel, configs.TileConfig(*current))
+    reference = _run(kernel, head_dim, causal, tensors)()
+    timings = {}
+    for config in dict.fromkeys([current, *CANDIDATES[kernel]]):
+        try:
+            timings[config], difference = time_config(kernel, head_dim, config, causal, tensors, reference)
+        except Exception as error:  # out of shared memory / registers
+            print(f"  {kernel} d{head_dim} {mask} {config}: skipped ({type(error).__name__}: {str(error)[:200]})")
+            continue
+        print(f"  {kernel} d{head_dim} {mask} {config}: {timings[config]:.3f} ms, "
+              f"max difference from current {difference:.2e}", flush=True)
+        if not difference < 0.05:  # a wrong kernel, not rounding: never pick it
+            print(f"  {kernel} d{head_dim} {mask} {config}: WRONG RESULTS, dropped")
+            del timings[config]
+    best = min(timings, key=timings.get)
+    print(f"{kernel} d{head_dim} {mask} N={seqlen}: current {current} {timings[current]:.3f} ms -> best {best} "
+          f"{timings[best]:.3f} ms ({timings[current] / timings[best]:.2f}x)", flush=True)
+    return dict(kernel=kernel, head_dim=head_dim, causal=causal, seqlen=seqlen, current=current, best=best,
+                timings_ms={"x".join(map(str, c)): t for c, t in timings.items()})
 
 
 def main(argv):
@@ -113,27 +143,8 @@ def main(argv):
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             pool.map(_compile_worker, [jobs[i::args.jobs] for i in range(args.jobs)])
 
-    results = []
-    for kernel in args.kernels:
-        for head_dim in args.head_dims:
-            tensors = _inputs(head_dim, args.seqlen)
-            current = configs.tile_config(kernel, head_dim, torch.bfloat16, False)
-            current_key = (current.block_m, current.block_n, current.num_warps, current.num_stages)
-            timings = {}
-            for config in dict.fromkeys([current_key, *CANDIDATES[kernel]]):
-                try:
-                    timings[config] = time_config(kernel, head_dim, config, tensors)
-                except Exception as error:  # out of shared memory / registers
-                    print(f"  {kernel} d{head_dim} {config}: skipped ({type(error).__name__})")
-            best = min(timings, key=lambda c: sum(timings[c]))
-            print(f"{kernel:>8} d{head_dim:<3} current {current_key} {sum(timings[current_key]):.3f} ms -> best {best} "
-                  f"{sum(timings[best]):.3f} ms ({sum(timings[current_key]) / sum(timings[best]):.2f}x)", flush=True)
-            for mask, index in (("non-causal", 0), ("causal", 1)):
-                best_alone = min(timings, key=lambda c: timings[c][index])
-                print(f"{'':>13} {mask} alone: best {best_alone} {timings[best_alone][index]:.3f} ms, "
-                      f"{timings[best][index] / timings[best_alone][index]:.2f}x over the summed best")
-            results.append(dict(kernel=kernel, head_dim=head_dim, current=current_key, best=best,
-                                timings_ms={"x".join(map(str, c)): t for c, t in timings.items()}))
+    results = [tune(kernel, head_dim, causal, args.seqlen)
+               for kernel in args.kernels for head_dim in args.head_dims for causal in (False, True)]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -27,10 +27,13 @@ import triton
 import triton.language as tl
 
 from .configs import head_dim_chunks, tile_config
-from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .launch import (
+    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode,
+    use_tma,
+)
 from .tiles import (
-    key_tile_range, load_row_stat, load_tile, mma_into_head, mma_over_head, query_tile_range, sequence_span,
-    store_tile, tile_base, visible,
+    key_tile_range, load_row_stat, load_tile, load_tile_tma, mma_into_head, mma_over_head, query_tile_range, sequence_span,
+    store_tile, tile_base, tile_descriptors, visible,
 )
 
 LOG2E_CONST = tl.constexpr(LOG2E)
@@ -70,22 +73,28 @@ def _attn_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_query_loop(
     dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b,
-    q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    q_base, do_base, q_descs, do_descs, lse_base, delta_base, stride_qm, stride_dom,
     offs_n, q_start, q_end, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
     (rows = keys) so that every product lands directly in the key tile's accumulators."""
     for start_m in range(q_start, q_end, BLOCK_M):
-        q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        if USE_TMA:
+            q_a, q_b = load_tile_tma(q_descs, start_m, BLOCK_M, DIM_A, DIM_B)
+        else:
+            q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
         lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E_CONST
         scores_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION) * qk_scale_log2
         p_t = tl.exp2(scores_t - lse_log2[None, :])
         if MASKED:
             offs_m = start_m + tl.arange(0, BLOCK_M)
             p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_k, causal_offset, IS_CAUSAL), p_t, 0.0)
-        do_a, do_b = load_tile(do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        if USE_TMA:
+            do_a, do_b = load_tile_tma(do_descs, start_m, BLOCK_M, DIM_A, DIM_B)
+        else:
+            do_a, do_b = load_tile(do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
         dv_a, dv_b = mma_into_head(p_t, do_a, do_b, dv_a, dv_b, DIM_B, PRECISION)
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
@@ -107,7 +116,7 @@ def _attn_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
@@ -137,20 +146,29 @@ def _attn_bwd_dkdv_kernel(
         do_base = tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom)
         lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+        if USE_TMA:
+            q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B)
+            do_descs = tile_descriptors(do_base, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, DIM_A, DIM_B)
+        else:
+            q_descs = None
+            do_descs = None
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
-            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
+            stride_qm, stride_dom,
             offs_n, q_start, q_diag, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
         )
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
-            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
+            stride_qm, stride_dom,
             offs_n, q_diag, q_tail, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA,
         )
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
-            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
+            stride_qm, stride_dom,
             offs_n, q_tail, seqlen_q, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
         )
 
     store_tile(tile_base(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn), dk_a * softmax_scale,
@@ -162,16 +180,20 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_key_loop(
     dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta,
-    k_base, v_base, stride_kn, stride_vn,
+    k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
-        v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        if USE_TMA:
+            k_a, k_b = load_tile_tma(k_descs, start_n, BLOCK_N, DIM_A, DIM_B)
+            v_a, v_b = load_tile_tma(v_descs, start_n, BLOCK_N, DIM_A, DIM_B)
+        else:
+            k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+            v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
         scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
         p = tl.exp2(scores - lse_log2[:, None])
         if MASKED:
@@ -194,9 +216,12 @@ def _attn_bwd_dq_kernel(
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    if IS_CAUSAL:  # the longest rows first, so that the short ones fill the last wave
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
@@ -219,19 +244,25 @@ def _attn_bwd_dq_kernel(
     delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
+    if USE_TMA:
+        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
+        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
+    else:
+        k_descs = None
+        v_descs = None
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     dq_a, dq_b = _dq_key_loop(
-        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA,
     )
     dq_a, dq_b = _dq_key_loop(
-        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
     )
     store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq_a * softmax_scale,
                dq_b * softmax_scale, start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
@@ -270,18 +301,26 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         BLOCK_M=pre_block, HAS_DLSE=dlse is not None, **common,
     )
 
-    config = tile_config("bwd_dkdv", head_dim, q.dtype, interpreted)
-    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, config.block_n), num_heads_kv, layout.batch)](
+    seqlen = max(seqlen_q, seqlen_k)
+    dkdv_config = tile_config("bwd_dkdv", head_dim, q.dtype, interpreted, causal, seqlen)
+    dq_config = tile_config("bwd_dq", head_dim, q.dtype, interpreted, causal, seqlen)
+    dkdv_tma = use_tma(dkdv_config.tma, interpreted, q, k, v, dout)
+    dq_tma = use_tma(dq_config.tma, interpreted, q, k, v, dout)
+    if (dkdv_tma or dq_tma) and not interpreted:
+        ensure_scratch_allocator()
+
+    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, dkdv_config.block_n), num_heads_kv, layout.batch)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
         *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
-        seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
+        seqlen_q, seqlen_k, *scales, **common, **matmul,
+        USE_TMA=dkdv_tma, **dkdv_config.launch_args(),
     )
 
-    config = tile_config("bwd_dq", head_dim, q.dtype, interpreted)
-    wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, config.block_m), num_heads, layout.batch)](
+    wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, dq_config.block_m), num_heads, layout.batch)](
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(dq),
-        *layout.stat_strides(delta), seqlen_q, seqlen_k, *scales, **common, **matmul, **config.launch_args(),
+        *layout.stat_strides(delta), seqlen_q, seqlen_k, *scales, **common, **matmul,
+        USE_TMA=dq_tma, **dq_config.launch_args(),
     )
     return dq, dk, dv

@@ -1,7 +1,8 @@
 """Launch configurations: tile sizes, warps and pipeline stages for each kernel.
 
 Configs are picked from a small fixed table keyed by the head-dim width the kernels compute
-(the padded head dim, or the sum of its two chunks where one exists) and the element size;
+(the padded head dim, or the sum of its two chunks where one exists), the causal flag, a
+short-sequence bucket (at most SHORT_SEQLEN rows) and the element size;
 there is no run-time autotuning, so a new shape never pays for a tuning sweep and a new sequence
 length never recompiles (sequence lengths are plain runtime integers in every kernel).
 
@@ -23,6 +24,7 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
     def launch_args(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
@@ -56,30 +58,65 @@ _INTERPRETER = {
     "bwd_dq": TileConfig(64, 32, 4, 1),
 }
 
-# GPU table: (kernel, computed head-dim width) -> config for 2-byte inputs, tuned by
-# benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16, causal and not;
-# see benchmarks/NOTES.md, v2 and v3). Widths of two chunks (80, 96, 160, 192, ...) without an
-# entry of their own take the entry of the padded power of two.
+# Sequences up to this length (the longer of seqlen_q and seqlen_k) take the _GPU_SHORT entries.
+SHORT_SEQLEN = 1024
+
+# GPU table for 2-byte inputs: (kernel, computed head-dim width, causal) -> config, tuned by
+# benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16; see
+# benchmarks/NOTES.md, v2 to v4). tma=True reads the tiles through tensor descriptors where the GPU
+# and the inputs allow it (launch.use_tma), plain loads elsewhere, e.g. on Ampere. Widths of two
+# chunks (80, 96, 160, 192, ...) take the padded power of two's entry where they have none.
 _GPU = {
-    ("fwd", 16): TileConfig(64, 64, 4, 3),
-    ("fwd", 32): TileConfig(64, 64, 4, 3),
-    ("fwd", 64): TileConfig(128, 64, 8, 3),
-    ("fwd", 128): TileConfig(128, 128, 8, 3),
-    ("fwd", 256): TileConfig(128, 64, 8, 2),
-    ("fwd", 80): TileConfig(128, 64, 4, 3),
-    ("fwd", 192): TileConfig(128, 64, 8, 3),
-    ("bwd_dkdv", 16): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 32): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 64): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 128): TileConfig(32, 64, 4, 2),
-    ("bwd_dkdv", 256): TileConfig(64, 64, 8, 2),
-    ("bwd_dkdv", 80): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 192): TileConfig(32, 128, 8, 3),
-    ("bwd_dq", 16): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 32): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 64): TileConfig(128, 64, 8, 3),
-    ("bwd_dq", 128): TileConfig(128, 32, 8, 3),
-    ("bwd_dq", 256): TileConfig(128, 32, 8, 3),
+    ("fwd", 16, False): TileConfig(64, 64, 4, 3),
+    ("fwd", 16, True): TileConfig(64, 64, 4, 3),
+    ("fwd", 32, False): TileConfig(64, 64, 4, 3),
+    ("fwd", 32, True): TileConfig(64, 64, 4, 3),
+    ("fwd", 64, False): TileConfig(128, 64, 8, 3),
+    ("fwd", 64, True): TileConfig(128, 64, 8, 3),
+    ("fwd", 128, False): TileConfig(128, 128, 8, 3, tma=True),
+    ("fwd", 128, True): TileConfig(128, 128, 8, 3),
+    ("fwd", 256, False): TileConfig(128, 64, 8, 2),
+    ("fwd", 256, True): TileConfig(128, 64, 8, 2),
+    ("fwd", 80, False): TileConfig(128, 64, 8, 3, tma=True),
+    ("fwd", 80, True): TileConfig(128, 64, 4, 3),
+    ("fwd", 96, False): TileConfig(128, 64, 8, 3, tma=True),
+    ("fwd", 96, True): TileConfig(128, 64, 4, 3, tma=True),
+    ("fwd", 192, False): TileConfig(128, 64, 8, 3),
+    ("fwd", 192, True): TileConfig(128, 64, 8, 3),
+    ("bwd_dkdv", 16, False): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 16, True): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 32, False): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 32, True): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 64, False): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 64, True): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 128, False): TileConfig(64, 64, 4, 2, tma=True),
+    ("bwd_dkdv", 128, True): TileConfig(32, 64, 4, 2),
+    ("bwd_dkdv", 256, False): TileConfig(64, 64, 8, 2),
+    ("bwd_dkdv", 256, True): TileConfig(64, 64, 8, 2),
+    ("bwd_dkdv", 80, False): TileConfig(64, 64, 4, 2, tma=True),
+    ("bwd_dkdv", 80, True): TileConfig(64, 64, 4, 2, tma=True),
+    ("bwd_dkdv", 96, True): TileConfig(64, 64, 4, 3, tma=True),
+    ("bwd_dkdv", 192, False): TileConfig(32, 128, 8, 3),
+    ("bwd_dkdv", 192, True): TileConfig(32, 128, 8, 3),
+    ("bwd_dq", 16, False): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 16, True): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 32, False): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 32, True): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 64, False): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 64, True): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 128, False): TileConfig(128, 32, 8, 3),
+    ("bwd_dq", 128, True): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 256, False): TileConfig(128, 32, 8, 3),
+    ("bwd_dq", 256, True): TileConfig(128, 32, 8, 3),
+    ("bwd_dq", 80, True): TileConfig(128, 32, 4, 3),
+    ("bwd_dq", 96, True): TileConfig(128, 32, 8, 3),
+}
+
+# Entries that beat _GPU's on sequences of at most SHORT_SEQLEN (tuned with --seqlen 1024).
+_GPU_SHORT = {
+    ("fwd", 64, True): TileConfig(64, 64, 4, 3),
+    ("fwd", 128, False): TileConfig(64, 64, 4, 3, tma=True),
+    ("fwd", 128, True): TileConfig(64, 64, 4, 3),
 }
 
 # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
@@ -92,11 +129,16 @@ _GPU_FP32 = {
 _GPU_FP32_HEAD_DIM_256 = {**_GPU_FP32, "bwd_dkdv": TileConfig(16, 32, 8, 1), "bwd_dq": TileConfig(32, 16, 8, 1)}
 
 
-def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool) -> TileConfig:
-    """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``."""
+def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool = False,
+                seqlen: int = 0) -> TileConfig:
+    """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``, for a causal or
+    non-causal problem whose longest sequence has ``seqlen`` rows."""
     if interpreted:
         return _INTERPRETER[kernel]
     padded = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return (_GPU_FP32_HEAD_DIM_256 if padded == 256 else _GPU_FP32)[kernel]
-    return _GPU.get((kernel, sum(head_dim_chunks(head_dim))), _GPU[(kernel, padded)])
+    width = sum(head_dim_chunks(head_dim))
+    if seqlen <= SHORT_SEQLEN and (kernel, width, causal) in _GPU_SHORT:
+        return _GPU_SHORT[(kernel, width, causal)]
+    return _GPU.get((kernel, width, causal), _GPU[(kernel, padded, causal)])

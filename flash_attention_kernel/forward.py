@@ -30,9 +30,12 @@ import triton
 import triton.language as tl
 
 from .configs import head_dim_chunks, tile_config
-from .launch import LOG2E, SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .launch import (
+    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode,
+    use_tma,
+)
 from .tiles import (
-    key_tile_range, load_tile, mma_into_head, mma_over_head, sequence_span, store_tile, tile_base, visible,
+    key_tile_range, load_tile, load_tile_tma, mma_into_head, mma_over_head, sequence_span, store_tile, tile_base, tile_descriptors, visible,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -41,14 +44,18 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _fwd_kv_loop(
     acc_a, acc_b, row_sum, row_max, q_a, q_b,
-    k_base, v_base, stride_kn, stride_vn,
+    k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        if USE_TMA:
+            k_a, k_b = load_tile_tma(k_descs, start_n, BLOCK_N, DIM_A, DIM_B)
+        else:
+            k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
         scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
         if MASKED:
             mask = visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL)
@@ -61,7 +68,10 @@ def _fwd_kv_loop(
         p = tl.exp2(scores - pivot[:, None])
         alpha = tl.exp2(row_max - pivot)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        if USE_TMA:
+            v_a, v_b = load_tile_tma(v_descs, start_n, BLOCK_N, DIM_A, DIM_B)
+        else:
+            v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
         acc_a = acc_a * alpha[:, None]
         if DIM_B > 0:
             acc_b = acc_b * alpha[:, None]
@@ -82,8 +92,12 @@ def _attn_fwd_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    if IS_CAUSAL:  # the longest rows first, so that the short ones fill the last wave
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
@@ -98,7 +112,15 @@ def _attn_fwd_kernel(
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
+    if USE_TMA:
+        q_a, q_b = load_tile_tma(tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B),
+                                 start_m, BLOCK_M, DIM_A, DIM_B)
+        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
+        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
+    else:
+        q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
+        k_descs = None
+        v_descs = None
 
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
@@ -106,14 +128,14 @@ def _attn_fwd_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
-        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, stride_kn, stride_vn,
+        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA,
     )
     acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
-        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, stride_kn, stride_vn,
+        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
     )
 
     empty_row = row_sum == 0.0
@@ -149,15 +171,19 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config = tile_config("fwd", head_dim, q.dtype, interpreted)
+    config = tile_config("fwd", head_dim, q.dtype, interpreted, causal, max(layout.seqlen_q, layout.seqlen_k))
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
+    tma = use_tma(config.tma, interpreted, q, k, v)
+    if tma and not interpreted:
+        ensure_scratch_allocator()
     wrap_kernel(_attn_fwd_kernel)[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out), *layout.stat_strides(lse),
         seqlen_q, seqlen_k, softmax_scale * LOG2E,
         GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
         IS_CAUSAL=causal, IS_VARLEN=layout.is_varlen, PRECISION=precision_mode(q.dtype, interpreted),
+        USE_TMA=tma,
         **config.launch_args(),
     )
     return out, lse

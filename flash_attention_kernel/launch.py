@@ -1,10 +1,13 @@
 """Host-side helpers shared by the kernel launchers."""
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
 LOG2E = math.log2(math.e)
 
@@ -24,6 +27,44 @@ def is_interpreted(kernel) -> bool:
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """The kernels need a unit stride on the last dim; any other strides are passed through."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def use_tma(table_choice: bool, interpreted: bool, *tensors: torch.Tensor) -> bool:
+    """Whether a kernel reads ``tensors`` through tensor descriptors (``tiles.tile_descriptors``).
+
+    The config table chooses (``table_choice``) unless FLASH_ATTENTION_TMA is set: "0" turns
+    descriptors off, "1" on wherever they can work, the CPU interpreter included (it emulates
+    them; the tests use it to run this path without a GPU). They need Triton's device-side
+    descriptors (``tl.make_tensor_descriptor``, Triton >= 3.4) and, compiled, a Hopper-or-newer
+    NVIDIA GPU, whose copy engine (TMA) requires 16-byte aligned addresses: every tensor's data
+    pointer and its batch, head and row strides must be multiples of 16 bytes (a head dim that is
+    a multiple of 8 in 2-byte types, in the usual layouts). Elsewhere the kernels use plain loads.
+    """
+    setting = os.environ.get("FLASH_ATTENTION_TMA", "")
+    wanted = {"0": False, "1": True}.get(setting, table_choice and not interpreted)
+    if not wanted or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if not interpreted and (tensors[0].device.type != "cuda" or torch.version.hip
+                            or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+        return False
+    return all(x.data_ptr() % 16 == 0 and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
+               for x in tensors)
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton an allocator for the global scratch memory in which device-side tensor
+    descriptors are built, unless the caller has set one. Triton keeps it in a context variable,
+    per thread, so this runs before every launch that uses descriptors (autograd runs the
+    backward on a thread of its own)."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
 
 
 def precision_mode(dtype: torch.dtype, interpreted: bool) -> str:

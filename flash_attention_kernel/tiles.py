@@ -96,6 +96,37 @@ def load_tile(
 
 
 @triton.jit
+def tile_descriptors(base_ptr, num_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     DIM_A: tl.constexpr, DIM_B: tl.constexpr):
+    """Tensor descriptors (TMA on Hopper) for BLOCK_ROWS-row tiles of one (sequence, head) slice of
+    ``num_rows`` rows, one per head-dim chunk; ``load_tile_tma`` reads through them.
+
+    The hardware copy engine fetches a whole tile asynchronously and fills rows past ``num_rows``
+    and columns past HEAD_DIM with zeros, so no mask is computed. The launcher uses them only when
+    the base pointer and every row stride are 16-byte aligned (launch.use_tma)."""
+    desc_a = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
+                                       block_shape=[BLOCK_ROWS, DIM_A])
+    if DIM_B > 0:
+        desc_b = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
+                                           block_shape=[BLOCK_ROWS, DIM_B])
+    else:
+        desc_b = desc_a
+    return desc_a, desc_b
+
+
+@triton.jit
+def load_tile_tma(descriptors, start_row, BLOCK_ROWS: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr):
+    """``load_tile`` through the (desc_a, desc_b) of ``tile_descriptors``."""
+    desc_a, desc_b = descriptors
+    a = desc_a.load([start_row, 0])
+    if DIM_B > 0:
+        b = desc_b.load([start_row, DIM_A])
+    else:
+        b = tl.zeros([BLOCK_ROWS, 16], dtype=a.dtype)
+    return a, b
+
+
+@triton.jit
 def _store_chunk(base_ptr, chunk, start_row, stride_row, num_rows, BLOCK_ROWS: tl.constexpr,
                  COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
     ptrs, mask = _chunk_ptrs_and_mask(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, COL_START, COLS, HEAD_DIM)
