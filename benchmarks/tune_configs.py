@@ -2,12 +2,12 @@
 
 Run on the target GPU. For each kernel (fwd, bwd_dkdv, bwd_dq), head dim and mask (causal or
 not) it times a short list of candidate configs, each with and without tensor descriptors (TMA),
-on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default, bf16; layout
-(batch, seqlen, heads, dim)), checks that each candidate computes what the current table entry
-computes, and reports the fastest next to the current entry. The forward is timed alone; each
-backward kernel is timed through the whole backward with the other kernel at its current config
-(the preprocess pass is common to all candidates). Run it with --seqlen 1024 for the
-short-sequence entries (configs.SHORT_SEQLEN).
+on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default, bf16; stored
+(batch, heads, seqlen, dim) as the benchmark passes them, or --layout bshd), checks that each
+candidate computes what the current table entry computes, and reports the fastest next to the
+current entry. The forward is timed alone; each backward kernel is timed through the whole
+backward with the other kernel at its current config (the preprocess pass is common to all
+candidates). Run it with --seqlen 1024 for the short-sequence entries (configs.SHORT_SEQLEN).
 
 Compilation dominates a sweep, so a first phase compiles every candidate in --jobs worker
 processes (filling Triton's on-disk cache) and the timing phase then runs on one process.
@@ -15,7 +15,7 @@ Configs that do not fit (shared memory, registers) are reported and skipped. Cop
 into configs.py by hand, with the date and device in the lab notebook (benchmarks/NOTES.md).
 
 Usage: python benchmarks/tune_configs.py [--head-dims 64 128 256] [--kernels fwd bwd_dkdv bwd_dq]
-       [--seqlen 4096] [--jobs 8] [--out tune.json]
+       [--seqlen 4096] [--layout bhsd] [--jobs 8] [--out tune.json]
 """
 
 import argparse
@@ -52,8 +52,13 @@ _TILES = {
 CANDIDATES = {kernel: [tile + (tma,) for tile in tiles for tma in (False, True)] for kernel, tiles in _TILES.items()}
 
 
-def _inputs(head_dim, seqlen, dtype=torch.bfloat16):
+def _inputs(head_dim, seqlen, layout, dtype=torch.bfloat16):
+    """q, k, v, dout as (batch, seqlen, heads, dim) tensors, stored that way ("bshd") or as
+    (batch, heads, seqlen, dim) ("bhsd", what bench_flash_attention.py passes)."""
     batch, heads = TOKENS // seqlen, HIDDEN // head_dim
+    if layout == "bhsd":
+        return [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+                for _ in range(4)]
     return [torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(4)]
 
 
@@ -78,9 +83,9 @@ def _run(kernel, head_dim, causal, tensors):
 
 def _compile_worker(jobs):
     """Launch each (kernel, head_dim, seqlen, config) once so that Triton caches the binaries."""
-    for kernel, head_dim, seqlen, config in jobs:
+    for kernel, head_dim, seqlen, layout, config in jobs:
         _with_config(kernel, configs.TileConfig(*config))
-        tensors = _inputs(head_dim, seqlen)
+        tensors = _inputs(head_dim, seqlen, layout)
         for causal in (False, True):
             try:
                 _run(kernel, head_dim, causal, tensors)()
@@ -102,9 +107,9 @@ def time_config(kernel, head_dim, config, causal, tensors, reference):
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"), difference
 
 
-def tune(kernel, head_dim, causal, seqlen):
+def tune(kernel, head_dim, causal, seqlen, layout):
     """Time every candidate for one (kernel, head dim, mask); returns the result record."""
-    tensors = _inputs(head_dim, seqlen)
+    tensors = _inputs(head_dim, seqlen, layout)
     mask = "causal" if causal else "non-causal"
     current = astuple(configs.tile_config(kernel, head_dim, torch.bfloat16, False, causal, seqlen))
     _with_config(kernel, configs.TileConfig(*current))
@@ -133,17 +138,19 @@ def main(argv):
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--kernels", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--seqlen", type=int, default=4096, help="N; batch = 16k tokens / N")
+    parser.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
+                        help="memory layout of q, k, v (bhsd: the benchmark's)")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
 
-    jobs = [(kernel, head_dim, args.seqlen, config) for kernel in args.kernels for head_dim in args.head_dims
+    jobs = [(kernel, head_dim, args.seqlen, args.layout, config) for kernel in args.kernels for head_dim in args.head_dims
             for config in CANDIDATES[kernel]]
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             pool.map(_compile_worker, [jobs[i::args.jobs] for i in range(args.jobs)])
 
-    results = [tune(kernel, head_dim, causal, args.seqlen)
+    results = [tune(kernel, head_dim, causal, args.seqlen, args.layout)
                for kernel in args.kernels for head_dim in args.head_dims for causal in (False, True)]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.out:
