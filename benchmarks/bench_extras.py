@@ -8,6 +8,10 @@
   sequence length of the same size bucket, which must not compile again.
 * Peak memory: device memory allocated at the peak of forward + backward beyond the inputs and
   output gradient, this kernel against SDPA FLASH (N = 16k, head dim 128, bf16).
+* Host time per call: on a shape so small that the GPU waits for the CPU (1 x 128 x 16 x 128),
+  the wall time of a forward and of a forward + backward, averaged over back-to-back calls, this
+  kernel against SDPA FLASH: the Python cost of checks, op dispatch and kernel launches, which
+  short sequences feel.
 
 Usage: python benchmarks/bench_extras.py   (after scripts/build_variants.py; on a GPU)
 """
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -105,11 +110,37 @@ def peak_memory_table(fa, seqlen=16384, head_dim=128, heads=16):
         print(f"  {name:>10}: {extra / 2**20:8.1f} MiB (q, k, v are {q.numel() * 2 / 2**20:.1f} MiB each)")
 
 
+def host_time_table(fa, calls=200):
+    def sdpa_flash(q, k, v):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    providers = {"triton-fa": lambda q, k, v: fa.flash_attention_forward(q, k, v, causal=True),
+                 "sdpa-flash": sdpa_flash}
+    q, k, v = (torch.randn(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    print(f"\nhost time per call, back to back (bf16, 1 x 16 x 128 x 128, causal), microseconds:")
+    for name, attention in providers.items():
+        steps = {"forward": lambda: attention(q, k, v),
+                 "forward + backward": lambda: torch.autograd.grad(attention(q, k, v).sum(), (q, k, v))}
+        times = []
+        for step in steps.values():
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+        print(f"  {name:>10}: " + ", ".join(f"{label} {t:.0f}" for label, t in zip(steps, times)))
+
+
 def main():
     fa = load_kernel()
     head_dim_table(fa)
     first_call_table()
     peak_memory_table(fa)
+    host_time_table(fa)
     print(f"\ndevice {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
 
 
