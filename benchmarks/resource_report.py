@@ -6,8 +6,9 @@ mma.sync instructions in the PTX. Pointer and integer arguments are marked divis
 real launches specialise them (without that, every load compiles to scalar loads and the report
 says nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
 
-Usage: python benchmarks/resource_report.py fwd bf16 128 128x64x8x3 [64x64x4x2 ...]
-       (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages)
+Usage: python benchmarks/resource_report.py fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
+       (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
+       with "xtma" to read tiles through tensor descriptors)
 """
 
 import re
@@ -44,12 +45,12 @@ def _signature(kernel, dtype, constexprs):
     return signature
 
 
-def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, causal=False):
+def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, causal=False):
     kernel = KERNELS[kernel_name]
     dim_a, dim_b = configs.head_dim_chunks(head_dim)
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
                       BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal, IS_VARLEN=False,
-                      PRECISION="ieee" if dtype == "fp32" else "tf32", CuSeqlensQ=None, CuSeqlensK=None)
+                      PRECISION="ieee" if dtype == "fp32" else "tf32", USE_TMA=tma, CuSeqlensQ=None, CuSeqlensK=None)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = _signature(kernel, dtype, constexprs)
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -75,9 +76,11 @@ def main(argv):
         sys.exit(__doc__)
     kernel_name, dtype, head_dim = argv[0], argv[1], int(argv[2])
     for config in argv[3:]:
-        block_m, block_n, num_warps, num_stages = map(int, config.split("x"))
+        fields = config.split("x")
+        tma = fields[-1] == "tma"
+        block_m, block_n, num_warps, num_stages = map(int, fields[:4])
         try:
-            result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages)
+            result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma)
         except Exception as error:
             print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
             continue
