@@ -32,8 +32,8 @@ from .launch import (
     use_tma,
 )
 from .tiles import (
-    key_tile_range, load_row_stat, load_tile, load_tile_tma, mma_into_head, mma_over_head, query_tile_range, sequence_span,
-    store_tile, tile_base, tile_descriptors, visible,
+    key_tile_range, load_row_stat, load_tile, load_tile_from, mma_into_head, mma_over_head, query_tile_range,
+    query_tile_start, sequence_span, store_tile, tile_base, tile_descriptors, visible,
 )
 
 LOG2E_CONST = tl.constexpr(LOG2E)
@@ -81,20 +81,16 @@ def _dkdv_query_loop(
     """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
     (rows = keys) so that every product lands directly in the key tile's accumulators."""
     for start_m in range(q_start, q_end, BLOCK_M):
-        if USE_TMA:
-            q_a, q_b = load_tile_tma(q_descs, start_m, BLOCK_M, DIM_A, DIM_B)
-        else:
-            q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM,
+                                  DIM_A, DIM_B, MASKED, USE_TMA)
         lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E_CONST
         scores_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION) * qk_scale_log2
         p_t = tl.exp2(scores_t - lse_log2[None, :])
         if MASKED:
             offs_m = start_m + tl.arange(0, BLOCK_M)
             p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_k, causal_offset, IS_CAUSAL), p_t, 0.0)
-        if USE_TMA:
-            do_a, do_b = load_tile_tma(do_descs, start_m, BLOCK_M, DIM_A, DIM_B)
-        else:
-            do_a, do_b = load_tile(do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        do_a, do_b = load_tile_from(do_descs, do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM,
+                                  DIM_A, DIM_B, MASKED, USE_TMA)
         dv_a, dv_b = mma_into_head(p_t, do_a, do_b, dv_a, dv_b, DIM_B, PRECISION)
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
@@ -146,12 +142,8 @@ def _attn_bwd_dkdv_kernel(
         do_base = tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom)
         lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
-        if USE_TMA:
-            q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B)
-            do_descs = tile_descriptors(do_base, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, DIM_A, DIM_B)
-        else:
-            q_descs = None
-            do_descs = None
+        q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+        do_descs = tile_descriptors(do_base, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
             dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
             stride_qm, stride_dom,
@@ -188,12 +180,10 @@ def _dq_key_loop(
     """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        if USE_TMA:
-            k_a, k_b = load_tile_tma(k_descs, start_n, BLOCK_N, DIM_A, DIM_B)
-            v_a, v_b = load_tile_tma(v_descs, start_n, BLOCK_N, DIM_A, DIM_B)
-        else:
-            k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
-            v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                  MASKED, USE_TMA)
+        v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                  MASKED, USE_TMA)
         scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
         p = tl.exp2(scores - lse_log2[:, None])
         if MASKED:
@@ -218,10 +208,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    if IS_CAUSAL:  # the longest rows first, so that the short ones fill the last wave
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    else:
-        start_m = tl.program_id(0) * BLOCK_M
+    start_m = query_tile_start(BLOCK_M, IS_CAUSAL)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
@@ -244,12 +231,8 @@ def _attn_bwd_dq_kernel(
     delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
-    if USE_TMA:
-        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
-        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
-    else:
-        k_descs = None
-        v_descs = None
+    k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+    v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
@@ -304,8 +287,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     seqlen = max(seqlen_q, seqlen_k)
     dkdv_config = tile_config("bwd_dkdv", head_dim, q.dtype, interpreted, causal, seqlen)
     dq_config = tile_config("bwd_dq", head_dim, q.dtype, interpreted, causal, seqlen)
-    dkdv_tma = use_tma(dkdv_config.tma, interpreted, q, k, v, dout)
-    dq_tma = use_tma(dq_config.tma, interpreted, q, k, v, dout)
+    dkdv_tma, dq_tma = use_tma([dkdv_config.tma, dq_config.tma], interpreted, q, k, v, dout)
     if (dkdv_tma or dq_tma) and not interpreted:
         ensure_scratch_allocator()
 

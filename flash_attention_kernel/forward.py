@@ -35,7 +35,8 @@ from .launch import (
     use_tma,
 )
 from .tiles import (
-    key_tile_range, load_tile, load_tile_tma, mma_into_head, mma_over_head, sequence_span, store_tile, tile_base, tile_descriptors, visible,
+    key_tile_range, load_tile_from, mma_into_head, mma_over_head, query_tile_start, sequence_span, store_tile, tile_base,
+    tile_descriptors, visible,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -52,10 +53,8 @@ def _fwd_kv_loop(
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        if USE_TMA:
-            k_a, k_b = load_tile_tma(k_descs, start_n, BLOCK_N, DIM_A, DIM_B)
-        else:
-            k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                  MASKED, USE_TMA)
         scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
         if MASKED:
             mask = visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL)
@@ -68,10 +67,8 @@ def _fwd_kv_loop(
         p = tl.exp2(scores - pivot[:, None])
         alpha = tl.exp2(row_max - pivot)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        if USE_TMA:
-            v_a, v_b = load_tile_tma(v_descs, start_n, BLOCK_N, DIM_A, DIM_B)
-        else:
-            v_a, v_b = load_tile(v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, MASKED)
+        v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                  MASKED, USE_TMA)
         acc_a = acc_a * alpha[:, None]
         if DIM_B > 0:
             acc_b = acc_b * alpha[:, None]
@@ -94,10 +91,7 @@ def _attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    if IS_CAUSAL:  # the longest rows first, so that the short ones fill the last wave
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    else:
-        start_m = tl.program_id(0) * BLOCK_M
+    start_m = query_tile_start(BLOCK_M, IS_CAUSAL)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
@@ -112,15 +106,11 @@ def _attn_fwd_kernel(
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    if USE_TMA:
-        q_a, q_b = load_tile_tma(tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B),
-                                 start_m, BLOCK_M, DIM_A, DIM_B)
-        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
-        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B)
-    else:
-        q_a, q_b = load_tile(q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
-        k_descs = None
-        v_descs = None
+    q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+    q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True,
+                              USE_TMA)
+    k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+    v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
 
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
@@ -174,7 +164,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
     config = tile_config("fwd", head_dim, q.dtype, interpreted, causal, max(layout.seqlen_q, layout.seqlen_k))
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
-    tma = use_tma(config.tma, interpreted, q, k, v)
+    [tma] = use_tma([config.tma], interpreted, q, k, v)
     if tma and not interpreted:
         ensure_scratch_allocator()
     wrap_kernel(_attn_fwd_kernel)[grid](

@@ -29,20 +29,27 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def use_tma(table_choice: bool, interpreted: bool, *tensors: torch.Tensor) -> bool:
-    """Whether a kernel reads ``tensors`` through tensor descriptors (``tiles.tile_descriptors``).
+def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
+    """Whether kernels read ``tensors`` through tensor descriptors (``tiles.tile_descriptors``):
+    one bool per entry of ``table_choices`` (the config table's ``tma`` flag of each kernel).
 
-    The config table chooses (``table_choice``) unless FLASH_ATTENTION_TMA is set: "0" turns
-    descriptors off, "1" on wherever they can work, the CPU interpreter included (it emulates
-    them; the tests use it to run this path without a GPU). They need Triton's device-side
-    descriptors (``tl.make_tensor_descriptor``, Triton >= 3.4) and, compiled, a Hopper-or-newer
-    NVIDIA GPU, whose copy engine (TMA) requires 16-byte aligned addresses: every tensor's data
-    pointer and its batch, head and row strides must be multiples of 16 bytes (a head dim that is
-    a multiple of 8 in 2-byte types, in the usual layouts). Elsewhere the kernels use plain loads.
+    The table chooses unless FLASH_ATTENTION_TMA is set: "0" turns descriptors off, "1" on
+    wherever they can work, the CPU interpreter included (it emulates them; the tests use it to
+    run this path without a GPU). They need Triton's device-side descriptors
+    (``tl.make_tensor_descriptor``, Triton >= 3.4) and, compiled, a Hopper-or-newer NVIDIA GPU,
+    whose copy engine (TMA) requires 16-byte aligned addresses: every tensor's data pointer and its
+    batch, head and row strides must be multiples of 16 bytes (a head dim that is a multiple of 8
+    in 2-byte types, in the usual layouts). Elsewhere the kernels use plain loads.
     """
     setting = os.environ.get("FLASH_ATTENTION_TMA", "")
-    wanted = {"0": False, "1": True}.get(setting, table_choice and not interpreted)
-    if not wanted or not hasattr(tl, "make_tensor_descriptor"):
+    wanted = [{"0": False, "1": True}.get(setting, choice and not interpreted) for choice in table_choices]
+    if any(wanted) and not _tma_possible(interpreted, tensors):
+        return [False] * len(wanted)
+    return wanted
+
+
+def _tma_possible(interpreted: bool, tensors) -> bool:
+    if not hasattr(tl, "make_tensor_descriptor"):
         return False
     if not interpreted and (tensors[0].device.type != "cuda" or torch.version.hip
                             or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):

@@ -97,33 +97,61 @@ def load_tile(
 
 @triton.jit
 def tile_descriptors(base_ptr, num_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     DIM_A: tl.constexpr, DIM_B: tl.constexpr):
+                     DIM_A: tl.constexpr, DIM_B: tl.constexpr, USE_TMA: tl.constexpr):
     """Tensor descriptors (TMA on Hopper) for BLOCK_ROWS-row tiles of one (sequence, head) slice of
-    ``num_rows`` rows, one per head-dim chunk; ``load_tile_tma`` reads through them.
+    ``num_rows`` rows, one per head-dim chunk, for ``load_tile_from``; None unless USE_TMA.
 
     The hardware copy engine fetches a whole tile asynchronously and fills rows past ``num_rows``
-    and columns past HEAD_DIM with zeros, so no mask is computed. The launcher uses them only when
-    the base pointer and every row stride are 16-byte aligned (launch.use_tma)."""
-    desc_a = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
-                                       block_shape=[BLOCK_ROWS, DIM_A])
-    if DIM_B > 0:
-        desc_b = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
-                                           block_shape=[BLOCK_ROWS, DIM_B])
+    and columns past HEAD_DIM with zeros, so no mask is computed. The launcher sets USE_TMA only
+    when the base pointer and every row stride are 16-byte aligned (launch.use_tma)."""
+    if USE_TMA:
+        desc_a = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
+                                           block_shape=[BLOCK_ROWS, DIM_A])
+        if DIM_B > 0:
+            desc_b = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
+                                               block_shape=[BLOCK_ROWS, DIM_B])
+        else:
+            desc_b = desc_a
+        return desc_a, desc_b
     else:
-        desc_b = desc_a
-    return desc_a, desc_b
+        return None
 
 
 @triton.jit
-def load_tile_tma(descriptors, start_row, BLOCK_ROWS: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr):
-    """``load_tile`` through the (desc_a, desc_b) of ``tile_descriptors``."""
-    desc_a, desc_b = descriptors
-    a = desc_a.load([start_row, 0])
-    if DIM_B > 0:
-        b = desc_b.load([start_row, DIM_A])
+def load_tile_from(
+    descriptors,
+    base_ptr,
+    start_row,
+    stride_row,
+    num_rows,
+    BLOCK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_A: tl.constexpr,
+    DIM_B: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """``load_tile``, through the (desc_a, desc_b) of ``tile_descriptors`` when USE_TMA."""
+    if USE_TMA:
+        desc_a, desc_b = descriptors
+        a = desc_a.load([start_row, 0])
+        if DIM_B > 0:
+            b = desc_b.load([start_row, DIM_A])
+        else:
+            b = tl.zeros([BLOCK_ROWS, 16], dtype=a.dtype)
+        return a, b
     else:
-        b = tl.zeros([BLOCK_ROWS, 16], dtype=a.dtype)
-    return a, b
+        return load_tile(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, HEAD_DIM, DIM_A, DIM_B, CHECK_ROWS)
+
+
+@triton.jit
+def query_tile_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """First query row of this program's tile (grid axis 0). Under causal masking the tiles run
+    in reverse, longest rows first, so that the short ones fill the last wave."""
+    if IS_CAUSAL:
+        return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        return tl.program_id(0) * BLOCK_M
 
 
 @triton.jit

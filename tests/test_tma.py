@@ -45,10 +45,10 @@ def test_descriptors_used_only_where_they_work(fa, monkeypatch):
     aligned = random_qkv((1, 17, 2, 64), (1, 17, 2, 64))
     unaligned = random_qkv((1, 17, 2, 59), (1, 17, 2, 59))  # row stride 118 bytes
     monkeypatch.setenv("FLASH_ATTENTION_TMA", "1")
-    assert launch.use_tma(False, interpreted, *aligned) == _tma_possible()
-    assert not launch.use_tma(True, interpreted, *unaligned)
+    assert launch.use_tma([False, True], interpreted, *aligned) == [_tma_possible()] * 2
+    assert launch.use_tma([True], interpreted, *unaligned) == [False]
     monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
-    assert not launch.use_tma(True, interpreted, *aligned)
+    assert launch.use_tma([True], interpreted, *aligned) == [False]
 
 
 @pytest.mark.parametrize("name, q_shape, kv_shape, dtype, causal", DENSE_CASES, ids=[c[0] for c in DENSE_CASES])
