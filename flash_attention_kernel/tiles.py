@@ -99,7 +99,8 @@ def load_tile(
 def tile_descriptors(base_ptr, num_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      DIM_A: tl.constexpr, DIM_B: tl.constexpr, USE_TMA: tl.constexpr):
     """Tensor descriptors (TMA on Hopper) for BLOCK_ROWS-row tiles of one (sequence, head) slice of
-    ``num_rows`` rows, one per head-dim chunk, for ``load_tile_from``; None unless USE_TMA.
+    ``num_rows`` rows, one per head-dim chunk, for ``load_tile_from``. Without USE_TMA there are
+    none and the base pointer stands in for them (a compiled Triton function cannot return None).
 
     The hardware copy engine fetches a whole tile asynchronously and fills rows past ``num_rows``
     and columns past HEAD_DIM with zeros, so no mask is computed. The launcher sets USE_TMA only
@@ -114,7 +115,7 @@ def tile_descriptors(base_ptr, num_rows, stride_row, BLOCK_ROWS: tl.constexpr, H
             desc_b = desc_a
         return desc_a, desc_b
     else:
-        return None
+        return base_ptr
 
 
 @triton.jit
