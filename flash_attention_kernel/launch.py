@@ -54,8 +54,19 @@ def _tma_possible(interpreted: bool, tensors) -> bool:
     if not interpreted and (tensors[0].device.type != "cuda" or torch.version.hip
                             or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
         return False
-    return all(x.data_ptr() % 16 == 0 and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
-               for x in tensors)
+    return all(_aligned_16_bytes(x) for x in tensors)
+
+
+def _aligned_16_bytes(x: torch.Tensor) -> bool:
+    """Whether ``x`` starts on a 16-byte boundary and its batch, head and row strides are
+    multiples of 16 bytes. A tensor traced by torch.compile or opcheck (a fake tensor) has no
+    address: its storage offset stands in, since PyTorch's allocators align every storage (and
+    inductor copies misaligned inputs of a compiled graph)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if any(offset * x.element_size() % 16 for offset in (x.storage_offset(), *x.stride()[:-1])):
+        return False
+    return is_fake(x) or x.data_ptr() % 16 == 0
 
 
 def _torch_scratch(size: int, alignment: int, stream):

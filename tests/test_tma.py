@@ -72,6 +72,19 @@ def test_dense_descriptors_match_plain_loads(fa, monkeypatch, name, q_shape, kv_
         assert_within_bar(label, ours, pt, truth, BWD_FACTOR)
 
 
+def test_descriptors_under_opcheck(fa, monkeypatch):
+    """torch.compile and opcheck trace the ops with fake tensors, which have no data pointer:
+    the descriptor decision must not read one."""
+    monkeypatch.setenv("FLASH_ATTENTION_TMA", "1")
+    q, k, v = random_qkv((2, 113, 4, 64), (2, 203, 2, 64), torch.float16, requires_grad=True)
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, None, None, 0, 0, 0.125, False))
+    out, lse = fa.ops.fwd(q, k, v, None, None, 0, 0, 0.125, False)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(fa.ops.bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None,
+                           None, None, 0, 0, 0.125, False))
+
+
 def test_varlen_descriptors_match_plain_loads(fa, monkeypatch):
     """Per-sequence descriptors: a tile past a sequence's end reads zeros, not the next sequence."""
     lens_q, lens_k = [17, 113, 1, 40], [113, 17, 40, 1]
