@@ -11,6 +11,7 @@ Under ``TRITON_INTERPRET=1`` (CPU tests) the kernels run with small, deliberatel
 causal diagonals that do not fall on tile boundaries.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -133,12 +134,19 @@ def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: boo
                 seqlen: int = 0) -> TileConfig:
     """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``, for a causal or
     non-causal problem whose longest sequence has ``seqlen`` rows."""
+    # int/bool: under torch.compile's dynamic shapes these may be symbolic (then specialised here)
+    return _table_entry(kernel, int(head_dim), dtype, interpreted, bool(causal), bool(seqlen <= SHORT_SEQLEN))
+
+
+@functools.lru_cache(maxsize=None)  # a lookup per launch: keep it off the host's critical path
+def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool,
+                 short: bool) -> TileConfig:
     if interpreted:
         return _INTERPRETER[kernel]
     padded = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return (_GPU_FP32_HEAD_DIM_256 if padded == 256 else _GPU_FP32)[kernel]
     width = sum(head_dim_chunks(head_dim))
-    if seqlen <= SHORT_SEQLEN and (kernel, width, causal) in _GPU_SHORT:
+    if short and (kernel, width, causal) in _GPU_SHORT:
         return _GPU_SHORT[(kernel, width, causal)]
     return _GPU.get((kernel, width, causal), _GPU[(kernel, padded, causal)])

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = math.log2(math.e)
 
@@ -19,8 +20,6 @@ def identity_wrap(kernel):
 
 def is_interpreted(kernel) -> bool:
     """True when Triton runs ``kernel`` through its CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     return isinstance(kernel, InterpretedFunction)
 
 
@@ -123,9 +122,10 @@ class SequenceLayout:
 
     def strides(self, x: torch.Tensor) -> tuple:
         """(batch, head, row) strides of q/k/v-like ``x``, in kernel argument order."""
+        stride = x.stride()
         if self.is_varlen:
-            return 0, x.stride(1), x.stride(0)
-        return x.stride(0), x.stride(2), x.stride(1)
+            return 0, stride[1], stride[0]
+        return stride[0], stride[2], stride[1]
 
     def new_row_stats(self, q: torch.Tensor) -> torch.Tensor:
         """An uninitialised fp32 per-query-row statistic (lse, delta) for ``q``."""
@@ -134,7 +134,8 @@ class SequenceLayout:
 
     def stat_strides(self, stats: torch.Tensor) -> tuple:
         """(batch, head) strides of a contiguous row statistic; its row stride is 1."""
-        return (0, stats.stride(0)) if self.is_varlen else (stats.stride(0), stats.stride(1))
+        stride = stats.stride()
+        return (0, stride[0]) if self.is_varlen else stride[:2]
 
     def kernel_args(self) -> tuple:
         """CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k kernel arguments."""

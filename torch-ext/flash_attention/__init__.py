@@ -9,7 +9,8 @@ namespace, holding the forward and backward ops.
 Layers of the package:
 * ``interface.py``: public functions (dense, varlen, packed); ``checks.py``: their argument checks.
 * ``bert_padding.py``: ``unpad_input`` / ``pad_input`` for the varlen functions.
-* ``torch_ops.py``: the torch ops (torch.library.triton_op) and their autograd formula.
+* ``torch_ops.py``: the torch ops (torch.library.triton_op), their autograd formula, and the
+  eager path that runs the same op bodies without the dispatcher's host overhead.
 * ``flash_attention_kernel/``: the Triton kernels and launchers (copied from the repository's
   top-level ``flash_attention_kernel/`` at build time).
 """

@@ -1,8 +1,8 @@
 """Public functions: flash-attn 2's interface and the kernels-community ``flash_attention_forward``.
 
 Each function checks its arguments (``checks.py``), passes views of its inputs to one of the
-forward ops (``fwd``, ``fwd_kvpacked``, ``fwd_qkvpacked``, see ``torch_ops.py``), whose autograd
-formula calls the matching backward op. Dense inputs are (batch, seqlen, heads, headdim); the
+forward ops (``fwd``, ``fwd_kvpacked``, ``fwd_qkvpacked``) through ``torch_ops.attention``, whose
+autograd formula calls the matching backward op. Dense inputs are (batch, seqlen, heads, headdim); the
 ``varlen`` functions take sequences packed along the first dim, (total_tokens, heads, headdim),
 with int32 ``cu_seqlens`` (batch + 1,) marking where each sequence starts. Features flash-attn has
 but this package does not build yet raise NotImplementedError naming the parameter.
@@ -20,11 +20,10 @@ from typing import Optional
 
 import torch
 
-from . import torch_ops  # noqa: F401  (registers the ops)
-from ._ops import ops
 from .checks import (
     check_packed, check_qkv, check_unbuilt_features, check_varlen, softmax_scale_or_default,
 )
+from .torch_ops import attention
 
 DENSE = "(batch, seqlen, nheads, headdim)"
 VARLEN = "(total_tokens, nheads, headdim)"
@@ -52,7 +51,7 @@ def flash_attn_func(
     check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
     check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = ops.fwd(q, k, v, None, None, 0, 0, scale, bool(causal))
+    out, softmax_lse = attention("fwd", q, k, v, None, None, 0, 0, scale, bool(causal))
     return _result(out, softmax_lse, return_attn_probs)
 
 
@@ -73,7 +72,7 @@ def flash_attn_kvpacked_func(
     check_qkv(q, *kv.unbind(dim=2), DENSE, heads_axis=2, dense=True)
     check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = ops.fwd_kvpacked(q, kv, None, None, 0, 0, scale, bool(causal))
+    out, softmax_lse = attention("fwd_kvpacked", q, kv, None, None, 0, 0, scale, bool(causal))
     return _result(out, softmax_lse, return_attn_probs)
 
 
@@ -93,7 +92,7 @@ def flash_attn_qkvpacked_func(
     check_qkv(*qkv.unbind(dim=2), DENSE, heads_axis=2, dense=True)
     check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
     scale = softmax_scale_or_default(softmax_scale, qkv.shape[-1])
-    out, softmax_lse = ops.fwd_qkvpacked(qkv, None, None, 0, 0, scale, bool(causal))
+    out, softmax_lse = attention("fwd_qkvpacked", qkv, None, None, 0, 0, scale, bool(causal))
     return _result(out, softmax_lse, return_attn_probs)
 
 
@@ -121,7 +120,8 @@ def flash_attn_varlen_func(
     max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes, block_table)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, bool(causal))
+    out, softmax_lse = attention("fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                 bool(causal))
     return _result(out, softmax_lse, return_attn_probs)
 
 
@@ -148,8 +148,8 @@ def flash_attn_varlen_kvpacked_func(
     max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = ops.fwd_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                        bool(causal))
+    out, softmax_lse = attention("fwd_kvpacked", q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 scale, bool(causal))
     return _result(out, softmax_lse, return_attn_probs)
 
 
@@ -173,7 +173,8 @@ def flash_attn_varlen_qkvpacked_func(
     max_seqlen, _ = check_varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, q, k)
     check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
     scale = softmax_scale_or_default(softmax_scale, qkv.shape[-1])
-    out, softmax_lse = ops.fwd_qkvpacked(qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, bool(causal))
+    out, softmax_lse = attention("fwd_qkvpacked", qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale,
+                                 bool(causal))
     return _result(out, softmax_lse, return_attn_probs)
 
 
@@ -188,6 +189,6 @@ def flash_attention_forward(
     the same layout. Same semantics as ``flash_attn_func``."""
     check_qkv(query, key, value, "(batch, nheads, seqlen, headdim)", heads_axis=1, dense=True)
     scale = softmax_scale_or_default(softmax_scale, query.shape[-1])
-    out, _ = ops.fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0, scale,
-                     bool(causal))
+    out, _ = attention("fwd", query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
+                       scale, bool(causal))
     return out.transpose(1, 2)

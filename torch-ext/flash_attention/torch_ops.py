@@ -10,18 +10,30 @@ Under Triton's CPU interpreter (TRITON_INTERPRET=1) ``wrap_triton`` hands kernel
 so a triton_op could be neither faked nor traced. There the same bodies are registered as opaque
 ``custom_op``s, with a fake implementation that runs the body without launching any kernel.
 
+Eager calls skip the dispatcher. Going through torch.library costs about 100 us of host time per
+forward and more per backward (the custom-op autograd wrapper, redispatch, argument defaults,
+triton_op's dynamo guard), more than the whole kernel at short sequences. ``attention`` therefore
+runs the same op bodies directly, under a ``torch.autograd.Function`` with the op's autograd
+formula, whenever nothing could need the op itself: plain tensors, no torch.compile / export /
+jit tracing, no functorch transform, no torch function or dispatch mode (FakeTensorMode,
+FlopCounterMode, ``with torch.device(...)``...). Otherwise it calls the registered op, which is what
+those systems see and trace. Both paths launch the same kernels with the same arguments.
+
 Layouts: dense (batch, seqlen, heads, head_dim), or varlen (total_tokens, heads, head_dim) with
 cu_seqlens. Inputs are validated by the public functions in ``interface.py`` before they reach
 these ops.
 """
 
+import functools
 import inspect
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ._ops import add_op_namespace_prefix, ops
 from .flash_attention_kernel import attention_backward, attention_forward, interpreter_active
+from .flash_attention_kernel.launch import identity_wrap
 
 
 class _SkipLaunch:
@@ -127,6 +139,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_formula(backward_op):
+    """The backward of a forward op, as register_autograd and _EagerAttention take it."""
+
     def backward(ctx, dout, dlse):
         *tensors, out, softmax_lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         if dout is None:
@@ -138,12 +152,57 @@ def _autograd_formula(backward_op):
     return backward
 
 
-_register(add_op_namespace_prefix("fwd"), _fwd)
-_register(add_op_namespace_prefix("bwd"), _bwd)
-_register(add_op_namespace_prefix("fwd_kvpacked"), _fwd_kvpacked)
-_register(add_op_namespace_prefix("bwd_kvpacked"), _bwd_kvpacked)
-_register(add_op_namespace_prefix("fwd_qkvpacked"), _fwd_qkvpacked)
-_register(add_op_namespace_prefix("bwd_qkvpacked"), _bwd_qkvpacked)
-for _forward, _backward_op in [("fwd", ops.bwd), ("fwd_kvpacked", ops.bwd_kvpacked), ("fwd_qkvpacked", ops.bwd_qkvpacked)]:
-    torch.library.register_autograd(add_op_namespace_prefix(_forward), _autograd_formula(_backward_op),
+_FORWARD_TO_BACKWARD = {"fwd": "bwd", "fwd_kvpacked": "bwd_kvpacked", "fwd_qkvpacked": "bwd_qkvpacked"}
+_BODIES = {"fwd": _fwd, "bwd": _bwd, "fwd_kvpacked": _fwd_kvpacked, "bwd_kvpacked": _bwd_kvpacked,
+           "fwd_qkvpacked": _fwd_qkvpacked, "bwd_qkvpacked": _bwd_qkvpacked}
+
+for _name, _body in _BODIES.items():
+    _register(add_op_namespace_prefix(_name), _body)
+for _forward, _backward in _FORWARD_TO_BACKWARD.items():
+    torch.library.register_autograd(add_op_namespace_prefix(_forward), _autograd_formula(getattr(ops, _backward)),
                                     setup_context=_setup_context)
+
+
+# The op bodies launching their kernels as they are, and the autograd formulas over them.
+_DIRECT = {name: functools.partial(body, wrap_kernel=identity_wrap) for name, body in _BODIES.items()}
+_DIRECT_BACKWARD = {name: _autograd_formula(_DIRECT[backward]) for name, backward in _FORWARD_TO_BACKWARD.items()}
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Forward op ``name`` without the dispatcher, with the op's autograd formula (eager only)."""
+
+    @staticmethod
+    def forward(ctx, name, *args):
+        output = _DIRECT[name](*args)
+        _setup_context(ctx, args, output)
+        ctx.name = name
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return None, *_DIRECT_BACKWARD[ctx.name](ctx, dout, dlse)
+
+
+def _needs_dispatcher(tensors) -> bool:
+    """Whether a call must go through the registered op (see the module docstring)."""
+    return (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch._C._is_torch_function_mode_enabled()
+        or is_in_torch_dispatch_mode()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors if x is not None)
+    )
+
+
+def attention(name: str, *args) -> tuple[Tensor, Tensor]:
+    """Forward op ``name`` ("fwd", "fwd_kvpacked" or "fwd_qkvpacked") on the op's arguments,
+    differentiable; eager calls skip the dispatcher (see the module docstring)."""
+    tensors = args[:-NUM_OPTIONS + 2]  # the inputs and cu_seqlens_q/k
+    if _needs_dispatcher(tensors):
+        return getattr(ops, name)(*args)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors if x is not None):
+        return _EagerAttention.apply(name, *args)
+    return _DIRECT[name](*args)
+
+
