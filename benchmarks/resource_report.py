@@ -6,9 +6,9 @@ mma.sync instructions in the PTX. Pointer and integer arguments are marked divis
 real launches specialise them (without that, every load compiles to scalar loads and the report
 says nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
 
-Usage: python benchmarks/resource_report.py fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
+Usage: python benchmarks/resource_report.py [--causal] fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
        (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
-       with "xtma" to read tiles through tensor descriptors)
+       with "xtma" to read tiles through tensor descriptors; --causal for the causal kernels)
 """
 
 import re
@@ -74,13 +74,15 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
 def main(argv):
     if len(argv) < 4:
         sys.exit(__doc__)
+    causal = "--causal" in argv
+    argv = [arg for arg in argv if arg != "--causal"]
     kernel_name, dtype, head_dim = argv[0], argv[1], int(argv[2])
     for config in argv[3:]:
         fields = config.split("x")
-        tma = fields[-1] == "tma"
         block_m, block_n, num_warps, num_stages = map(int, fields[:4])
         try:
-            result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma)
+            result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, "tma" in fields[4:],
+                            causal)
         except Exception as error:
             print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
             continue
