@@ -7,7 +7,7 @@ on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default
 candidate computes what the current table entry computes, and reports the fastest next to the
 current entry. The forward is timed alone; each backward kernel is timed through the whole
 backward with the other kernel at its current config (the preprocess pass is common to all
-candidates). Run it with --seqlen 1024 for the short-sequence entries (configs.SHORT_SEQLEN).
+candidates). Run it with --seqlen 1024 / 2048 for the short-sequence entries (configs.SEQLEN_BUCKETS).
 
 Compilation dominates a sweep, so a first phase compiles every candidate in --jobs worker
 processes (filling Triton's on-disk cache) and the timing phase then runs on one process.
@@ -40,8 +40,9 @@ from flash_attention_kernel import forward as forward_module  # noqa: E402
 TOKENS, HIDDEN = 16384, 2048
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); each is tried with and without tensor descriptors (TMA)
 _TILES = {
-    "fwd": [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
-            (128, 128, 8, 3)],
+    "fwd": [(64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3),
+            (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3),
+            (128, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)],
     "bwd_dkdv": [(16, 64, 4, 2), (16, 128, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2),
                  (32, 128, 4, 2), (32, 128, 8, 2), (32, 128, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                  (64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 1), (64, 128, 8, 2), (128, 64, 8, 2)],

@@ -2,7 +2,7 @@
 
 Configs are picked from a small fixed table keyed by the head-dim width the kernels compute
 (the padded head dim, or the sum of its two chunks where one exists), the causal flag, a
-short-sequence bucket (at most SHORT_SEQLEN rows) and the element size;
+sequence-length bucket (SEQLEN_BUCKETS) and the element size;
 there is no run-time autotuning, so a new shape never pays for a tuning sweep and a new sequence
 length never recompiles (sequence lengths are plain runtime integers in every kernel).
 
@@ -13,6 +13,7 @@ causal diagonals that do not fall on tile boundaries.
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -59,8 +60,10 @@ _INTERPRETER = {
     "bwd_dq": TileConfig(64, 32, 4, 1),
 }
 
-# Sequences up to this length (the longer of seqlen_q and seqlen_k) take the _GPU_SHORT entries.
-SHORT_SEQLEN = 1024
+# Sequence-length buckets: a problem whose longest sequence (the longer of seqlen_q and seqlen_k)
+# has at most this many rows takes that bucket's _GPU_SHORT entries, where it has one (the smallest
+# such bucket first), and _GPU's otherwise.
+SEQLEN_BUCKETS = (1024, 2048)
 
 # GPU table for 2-byte inputs: (kernel, computed head-dim width, causal) -> config, tuned by
 # benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16; see
@@ -113,11 +116,18 @@ _GPU = {
     ("bwd_dq", 96, True): TileConfig(128, 32, 8, 3),
 }
 
-# Entries that beat _GPU's on sequences of at most SHORT_SEQLEN (tuned with --seqlen 1024).
+# Entries that beat _GPU's on short sequences, per bucket (tuned with --seqlen 1024 / 2048; at
+# N = 512 too for the first bucket).
 _GPU_SHORT = {
-    ("fwd", 64, True): TileConfig(64, 64, 4, 3),
-    ("fwd", 128, False): TileConfig(64, 64, 4, 3, tma=True),
-    ("fwd", 128, True): TileConfig(64, 64, 4, 3),
+    1024: {
+        ("fwd", 64, True): TileConfig(64, 64, 4, 3),
+        ("fwd", 128, False): TileConfig(128, 32, 8, 3),
+        ("fwd", 128, True): TileConfig(64, 64, 4, 3),
+    },
+    2048: {
+        ("fwd", 128, False): TileConfig(64, 64, 4, 3, tma=True),
+        ("fwd", 128, True): TileConfig(64, 64, 4, 3),
+    },
 }
 
 # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
@@ -135,18 +145,19 @@ def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: boo
     """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``, for a causal or
     non-causal problem whose longest sequence has ``seqlen`` rows."""
     # int/bool: under torch.compile's dynamic shapes these may be symbolic (then specialised here)
-    return _table_entry(kernel, int(head_dim), dtype, interpreted, bool(causal), bool(seqlen <= SHORT_SEQLEN))
+    bucket = next((bucket for bucket in SEQLEN_BUCKETS if bool(seqlen <= bucket)), None)
+    return _table_entry(kernel, int(head_dim), dtype, interpreted, bool(causal), bucket)
 
 
 @functools.lru_cache(maxsize=None)  # a lookup per launch: keep it off the host's critical path
 def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool,
-                 short: bool) -> TileConfig:
+                 bucket: Optional[int]) -> TileConfig:
     if interpreted:
         return _INTERPRETER[kernel]
     padded = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return (_GPU_FP32_HEAD_DIM_256 if padded == 256 else _GPU_FP32)[kernel]
     width = sum(head_dim_chunks(head_dim))
-    if short and (kernel, width, causal) in _GPU_SHORT:
-        return _GPU_SHORT[(kernel, width, causal)]
+    if (kernel, width, causal) in _GPU_SHORT.get(bucket, {}):
+        return _GPU_SHORT[bucket][(kernel, width, causal)]
     return _GPU.get((kernel, width, causal), _GPU[(kernel, padded, causal)])
