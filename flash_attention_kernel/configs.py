@@ -126,7 +126,6 @@ _GPU_SHORT = {
     },
     2048: {
         ("fwd", 128, False): TileConfig(64, 64, 4, 3, tma=True),
-        ("fwd", 128, True): TileConfig(64, 64, 4, 3),
     },
 }
 
