@@ -17,12 +17,14 @@ largest difference from SDPA; "nan" means rows were never written (the output st
 Usage: python benchmarks/ws_probe.py [--seqlen 4096] [flags ...]   (default: - h a s m hs)
 """
 
+import math
 import subprocess
 import sys
 
 import torch
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def probe(Q, K, V, O, N, H, qk_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -88,7 +90,7 @@ def run_variant(seqlen, flags):
     out = torch.full_like(q, float("nan"))
     features = dict(PER_HEAD="h" in flags, DUMMY_ACC="a" in flags, PTR_STORE="s" in flags, OUR_MATH="m" in flags)
     launch = lambda: probe[(seqlen // block, batch * heads)](  # noqa: E731
-        q, k, v, out, seqlen, heads, head_dim ** -0.5 * 1.4426950408889634, D=head_dim, BM=block, BN=block,
+        q, k, v, out, seqlen, heads, head_dim ** -0.5 * math.log2(math.e), D=head_dim, BM=block, BN=block,
         **features, num_warps=4, num_stages=2)
     launch()
     difference = (out - expected).abs().max().item()

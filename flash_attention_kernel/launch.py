@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = math.log2(math.e)
@@ -61,8 +62,6 @@ def _aligned_16_bytes(x: torch.Tensor) -> bool:
     multiples of 16 bytes. A tensor traced by torch.compile or opcheck (a fake tensor) has no
     address: its storage offset stands in, since PyTorch's allocators align every storage (and
     inductor copies misaligned inputs of a compiled graph)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if any(offset * x.element_size() % 16 for offset in (x.storage_offset(), *x.stride()[:-1])):
         return False
     return is_fake(x) or x.data_ptr() % 16 == 0

@@ -132,7 +132,6 @@ NUM_OPTIONS = 6  # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softm
 def _setup_context(ctx, inputs, output):
     tensors, (cu_seqlens_q, cu_seqlens_k, *options) = inputs[:-NUM_OPTIONS], inputs[-NUM_OPTIONS:]
     ctx.save_for_backward(*tensors, *output, cu_seqlens_q, cu_seqlens_k)
-    ctx.num_tensors = len(tensors)
     ctx.options = options
     # Unused outputs (typically softmax_lse) then get None instead of a zero tensor to read.
     ctx.set_materialize_grads(False)
