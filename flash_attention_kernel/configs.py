@@ -129,6 +129,13 @@ _GPU_SHORT = {
     },
 }
 
+# Warp-specialised entries (launch.warp_specialize decides when the kernel can take one; the plain
+# entries above stay for every other call). Only widths where it beat the plain loop on the H200
+# (benchmarks/NOTES.md, v6): at head dim 64 the plain loop is faster.
+_GPU_WARP_SPECIALIZED = {
+    ("fwd", 128, False): TileConfig(128, 128, 4, 2, tma=True),
+}
+
 # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
 # registers: small tiles keep them out of local memory (benchmarks/resource_report.py).
 _GPU_FP32 = {
@@ -146,6 +153,16 @@ def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: boo
     # int/bool: under torch.compile's dynamic shapes these may be symbolic (then specialised here)
     bucket = next((bucket for bucket in SEQLEN_BUCKETS if bool(seqlen <= bucket)), None)
     return _table_entry(kernel, int(head_dim), dtype, interpreted, bool(causal), bucket)
+
+
+def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool,
+                            causal: bool) -> Optional[TileConfig]:
+    """The table's warp-specialised config for ``kernel``, or None where it has none. Under the
+    interpreter the small test tiles stand in for it."""
+    width = sum(head_dim_chunks(int(head_dim)))
+    if dtype == torch.float32 or (kernel, width, bool(causal)) not in _GPU_WARP_SPECIALIZED:
+        return None
+    return _INTERPRETER[kernel] if interpreted else _GPU_WARP_SPECIALIZED[(kernel, width, bool(causal))]
 
 
 @functools.lru_cache(maxsize=None)  # a lookup per launch: keep it off the host's critical path

@@ -29,14 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_chunks, tile_config
+from .configs import head_dim_chunks, tile_config, warp_specialized_config
 from .launch import (
     LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode,
-    use_tma,
+    use_tma, warp_specialize,
 )
 from .tiles import (
-    key_tile_range, load_tile_from, mma_into_head, mma_over_head, query_tile_start, sequence_span, store_tile, tile_base,
-    tile_descriptors, visible,
+    key_tile_range, load_tile_from, mma, mma_into_head, mma_over_head, query_tile_start, round_to, sequence_span,
+    store_tile, tensor_tile_descriptors, tile_base, tile_descriptors, visible,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -49,10 +49,10 @@ def _fwd_kv_loop(
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(kv_start, kv_end, BLOCK_N):
+    for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                   MASKED, USE_TMA)
         scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
@@ -72,7 +72,9 @@ def _fwd_kv_loop(
         acc_a = acc_a * alpha[:, None]
         if DIM_B > 0:
             acc_b = acc_b * alpha[:, None]
-        acc_a, acc_b = mma_into_head(p, v_a, v_b, acc_a, acc_b, DIM_B, PRECISION)
+            acc_a, acc_b = mma_into_head(p, v_a, v_b, acc_a, acc_b, DIM_B, PRECISION)
+        else:  # acc_b must not be a loop variable here: warp specialisation fails on one left unchanged
+            acc_a = mma(round_to(p, v_a.dtype, PRECISION), v_a, acc_a, PRECISION)
         row_max = new_max
     return acc_a, acc_b, row_sum, row_max
 
@@ -89,14 +91,15 @@ def _attn_fwd_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     start_m = query_tile_start(BLOCK_M, IS_CAUSAL)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
-    if start_m >= seqlen_q:  # varlen: the grid covers the longest sequence
-        return
+    if IS_VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     causal_offset = seqlen_k - seqlen_q
@@ -106,11 +109,21 @@ def _attn_fwd_kernel(
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+    if WARP_SPECIALIZE:
+        num_batches = tl.num_programs(2)
+        num_kv_heads = tl.num_programs(1) // GROUP_SIZE
+        q_descs = tensor_tile_descriptors(Q, batch, head, num_batches, tl.num_programs(1), seqlen_q, stride_qb,
+                                          stride_qh, stride_qm, BLOCK_M, DIM_A, DIM_B)
+        k_descs = tensor_tile_descriptors(K, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_kb, stride_kh,
+                                          stride_kn, BLOCK_N, DIM_A, DIM_B)
+        v_descs = tensor_tile_descriptors(V, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_vb, stride_vh,
+                                          stride_vn, BLOCK_N, DIM_A, DIM_B)
+    else:
+        q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
     q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True,
                               USE_TMA)
-    k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
-    v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
 
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
@@ -120,13 +133,14 @@ def _attn_fwd_kernel(
     acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
         acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
-    acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
-        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-        offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
-    )
+    if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
+        acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
+            acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA, False,
+        )
 
     empty_row = row_sum == 0.0
     inv_sum = 1.0 / tl.where(empty_row, 1.0, row_sum)
@@ -161,10 +175,9 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config = tile_config("fwd", head_dim, q.dtype, interpreted, causal, max(layout.seqlen_q, layout.seqlen_k))
+    config, specialized, tma = launch_plan(q, k, v, causal, layout, interpreted)
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
-    [tma] = use_tma([config.tma], interpreted, q, k, v)
     if tma and not interpreted:
         ensure_scratch_allocator()
     wrap_kernel(_attn_fwd_kernel)[grid](
@@ -173,7 +186,20 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
         seqlen_q, seqlen_k, softmax_scale * LOG2E,
         GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
         IS_CAUSAL=causal, IS_VARLEN=layout.is_varlen, PRECISION=precision_mode(q.dtype, interpreted),
-        USE_TMA=tma,
+        USE_TMA=tma, WARP_SPECIALIZE=specialized,
         **config.launch_args(),
     )
     return out, lse
+
+
+def launch_plan(q, k, v, causal: bool, layout: SequenceLayout, interpreted: bool):
+    """(tile config, warp-specialised?, tensor descriptors?) for one forward call: the table's
+    warp-specialised entry where the call can take it (launch.warp_specialize), else its plain one."""
+    head_dim = q.shape[-1]
+    config = warp_specialized_config("fwd", head_dim, q.dtype, interpreted, causal)
+    if config is not None and warp_specialize(config.block_n, interpreted, causal, layout, head_dim,
+                                              sum(head_dim_chunks(head_dim)), q, k, v):
+        return config, True, True
+    config = tile_config("fwd", head_dim, q.dtype, interpreted, causal, max(layout.seqlen_q, layout.seqlen_k))
+    [tma] = use_tma([config.tma], interpreted, q, k, v)
+    return config, False, tma

@@ -48,6 +48,53 @@ def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
     return wanted
 
 
+# Triton versions whose Hopper warp specialisation computes our forward correctly: checked on an
+# H200 with the GPU test suite (benchmarks/NOTES.md, v6). Triton 3.6 miscompiles other shapes of
+# the same loop silently (v5), so an unchecked version keeps the plain pipelined loop.
+WARP_SPECIALIZATION_CHECKED = ("3.6.",)
+
+
+def warp_specialize(block_n: int, interpreted: bool, causal: bool, layout: "SequenceLayout", head_dim: int,
+                    chunk_width: int, *tensors: torch.Tensor) -> bool:
+    """Whether the forward runs its key loop warp-specialised (one warp loads tiles through the
+    copy engine while the others compute; ``tl.range(..., warp_specialize=True)``), given that the
+    config table has a warp-specialised entry whose key tile has ``block_n`` rows.
+
+    Only for the one loop shape Triton compiles correctly: dense, non-causal, every key tile full
+    (seqlen_k a multiple of block_n, so no tile needs a mask), the head dim exactly its chunks
+    (``chunk_width``), and q, k, v readable through ``tiles.tensor_tile_descriptors``.
+    FLASH_ATTENTION_WS=0 turns it off, "1" on wherever those hold, the CPU interpreter and any
+    Triton included (the interpreter runs the same code without warp specialisation; the tests use
+    it to cover this path without a GPU); unset, it runs compiled on Hopper (sm_90) with a Triton
+    version in WARP_SPECIALIZATION_CHECKED. It needs tensor descriptors, so FLASH_ATTENTION_TMA=0
+    turns it off too.
+    """
+    setting = os.environ.get("FLASH_ATTENTION_WS", "")
+    if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
+        return False
+    if setting != "1" and (interpreted or not triton.__version__.startswith(WARP_SPECIALIZATION_CHECKED)
+                           or tensors[0].device.type != "cuda" or torch.version.hip
+                           or torch.cuda.get_device_capability(tensors[0].device)[0] != 9):
+        return False
+    if causal or layout.is_varlen or layout.seqlen_k % block_n or head_dim != chunk_width:
+        return False
+    return _tma_possible(interpreted, tensors) and all(_splits_into_rows(x, layout) for x in tensors)
+
+
+def _splits_into_rows(x: torch.Tensor, layout: "SequenceLayout") -> bool:
+    """Whether dense (batch, seqlen, heads, dim) ``x`` is a matrix of row-stride-long rows in which
+    each (batch, head) slice is a block of consecutive rows, its columns inside one row
+    (``tiles.tensor_tile_descriptors``), with fewer than 2**31 rows (int32 indices)."""
+    batch, seqlen, heads, head_dim = x.shape
+    stride_batch, stride_head, stride_row = layout.strides(x)
+    if stride_row < head_dim or (batch > 1 and stride_batch % stride_row):
+        return False
+    head_rows, head_cols = divmod(stride_head, stride_row) if heads > 1 else (0, 0)
+    if (heads - 1) * head_cols + head_dim > stride_row:
+        return False
+    return (batch - 1) * (stride_batch // stride_row) + (heads - 1) * head_rows + seqlen < 2 ** 31
+
+
 def _tma_possible(interpreted: bool, tensors) -> bool:
     if not hasattr(tl, "make_tensor_descriptor"):
         return False

@@ -99,23 +99,54 @@ def load_tile(
 def tile_descriptors(base_ptr, num_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      DIM_A: tl.constexpr, DIM_B: tl.constexpr, USE_TMA: tl.constexpr):
     """Tensor descriptors (TMA on Hopper) for BLOCK_ROWS-row tiles of one (sequence, head) slice of
-    ``num_rows`` rows, one per head-dim chunk, for ``load_tile_from``. Without USE_TMA there are
+    ``num_rows`` rows, for ``load_tile_from``: (desc_a, desc_b, first row, first column), one
+    descriptor per head-dim chunk, the slice starting at row 0, column 0. Without USE_TMA there are
     none and the base pointer stands in for them (a compiled Triton function cannot return None).
 
     The hardware copy engine fetches a whole tile asynchronously and fills rows past ``num_rows``
     and columns past HEAD_DIM with zeros, so no mask is computed. The launcher sets USE_TMA only
     when the base pointer and every row stride are 16-byte aligned (launch.use_tma)."""
     if USE_TMA:
-        desc_a = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
-                                           block_shape=[BLOCK_ROWS, DIM_A])
-        if DIM_B > 0:
-            desc_b = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_row, 1],
-                                               block_shape=[BLOCK_ROWS, DIM_B])
-        else:
-            desc_b = desc_a
-        return desc_a, desc_b
+        desc_a, desc_b = _chunk_descriptors(base_ptr, num_rows, HEAD_DIM, stride_row, BLOCK_ROWS, DIM_A, DIM_B)
+        return desc_a, desc_b, 0, 0
     else:
         return base_ptr
+
+
+@triton.jit
+def tensor_tile_descriptors(tensor_ptr, batch, head, num_batches, num_heads, seqlen, stride_batch, stride_head,
+                            stride_row, BLOCK_ROWS: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr):
+    """``tile_descriptors`` for the (batch, head) slice of a dense tensor, built over the whole
+    tensor seen as a matrix of ``stride_row``-element rows instead of over the slice alone.
+
+    Element (b, h, n, d) sits at row b * batch_rows + h * head_rows + n, column h * head_cols + d,
+    where stride_batch = batch_rows * stride_row and stride_head = head_rows * stride_row +
+    head_cols: (batch, seqlen, heads, dim) tensors place heads side by side in a row, (batch, heads,
+    seqlen, dim) ones one under another. The launcher checks that the layout splits so and that
+    the head dim is DIM_A + DIM_B (launch.warp_specialize): unlike ``tile_descriptors``, tiles
+    past the slice's last row or last column read the neighbouring slice instead of zeros.
+
+    The warp-specialised forward needs these: Triton 3.6 miscompiles it with per-slice
+    descriptors, whose base pointer moves with the program (benchmarks/NOTES.md, v5 and v6)."""
+    head_rows = stride_head // stride_row
+    head_cols = stride_head % stride_row
+    batch_rows = stride_batch // stride_row
+    num_rows = (num_batches - 1) * batch_rows + (num_heads - 1) * head_rows + seqlen
+    desc_a, desc_b = _chunk_descriptors(tensor_ptr, num_rows, stride_row, stride_row, BLOCK_ROWS, DIM_A, DIM_B)
+    return desc_a, desc_b, batch * batch_rows + head * head_rows, head * head_cols
+
+
+@triton.jit
+def _chunk_descriptors(base_ptr, num_rows, num_cols, stride_row, BLOCK_ROWS: tl.constexpr, DIM_A: tl.constexpr,
+                       DIM_B: tl.constexpr):
+    desc_a = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, num_cols], strides=[stride_row, 1],
+                                       block_shape=[BLOCK_ROWS, DIM_A])
+    if DIM_B > 0:
+        desc_b = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, num_cols], strides=[stride_row, 1],
+                                           block_shape=[BLOCK_ROWS, DIM_B])
+    else:
+        desc_b = desc_a
+    return desc_a, desc_b
 
 
 @triton.jit
@@ -132,12 +163,13 @@ def load_tile_from(
     CHECK_ROWS: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    """``load_tile``, through the (desc_a, desc_b) of ``tile_descriptors`` when USE_TMA."""
+    """``load_tile``, through the descriptors of ``tile_descriptors`` (or ``tensor_tile_descriptors``)
+    when USE_TMA."""
     if USE_TMA:
-        desc_a, desc_b = descriptors
-        a = desc_a.load([start_row, 0])
+        desc_a, desc_b, first_row, first_col = descriptors
+        a = desc_a.load([first_row + start_row, first_col])
         if DIM_B > 0:
-            b = desc_b.load([start_row, DIM_A])
+            b = desc_b.load([first_row + start_row, first_col + DIM_A])
         else:
             b = tl.zeros([BLOCK_ROWS, 16], dtype=a.dtype)
         return a, b

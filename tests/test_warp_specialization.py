@@ -1,0 +1,106 @@
+"""The warp-specialised forward (launch.warp_specialize) against the plain one and the reference.
+
+On a Hopper GPU with a checked Triton the forward of dense, non-causal calls whose key tiles are
+all full runs warp-specialised, reading tiles through descriptors over the whole tensor
+(tiles.tensor_tile_descriptors). FLASH_ATTENTION_WS=1 forces that path wherever it can work, the
+CPU interpreter included (same code, no warp specialisation), "0" turns it off. The cases cross
+the places where whole-tensor descriptors differ from per-slice ones: query tiles running past
+their slice into the next head's or batch's rows, heads side by side in a row or one under
+another, packed qkv, GQA. Under the interpreter both paths use the same tiles and must agree
+bit for bit; on the GPU their tiles differ, so both meet the float64 bar.
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+
+from conftest import ON_GPU
+from inputs import cu_seqlens, random_qkv
+from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, run_ref
+
+HEAD_DIM = 128  # the width with a warp-specialised config entry
+
+
+def _descriptors_possible():
+    return not ON_GPU or torch.cuda.get_device_capability()[0] >= 9
+
+
+def _specialized(fa, q, k, v, causal=False, layout=None):
+    kernel = fa.flash_attention_kernel
+    layout = layout or kernel.launch.SequenceLayout.of(q, k)
+    return kernel.forward.launch_plan(q, k, v, causal, layout, not ON_GPU)[1]
+
+
+def test_taken_only_where_it_can_work(fa, monkeypatch):
+    """The decision; without it the comparisons below could compare the plain path with itself."""
+    q, k, v = random_qkv((2, 64, 4, HEAD_DIM), (2, 256, 2, HEAD_DIM), torch.bfloat16)
+    monkeypatch.setenv("FLASH_ATTENTION_WS", "1")
+    assert _specialized(fa, q, k, v) == _descriptors_possible()
+    assert not _specialized(fa, q, k, v, causal=True)
+    assert not _specialized(fa, q, k[:, :200], v[:, :200])  # the last key tile is partial
+    assert not _specialized(fa, q[..., :120], k[..., :120], v[..., :120])  # head dim padded to 128
+    assert not _specialized(fa, *(x[..., :64].contiguous() for x in (q, k, v)))  # no entry at 64
+    assert not _specialized(fa, q.float(), k.float(), v.float())
+    rows = 64 * 4 * HEAD_DIM  # batch stride not a whole number of rows
+    q_odd = torch.randn(2, rows + 8, device=q.device, dtype=q.dtype)[:, :rows].view(2, 64, 4, HEAD_DIM)
+    assert not _specialized(fa, q_odd, k, v)
+    lens = [64, 64]
+    packed_q, packed_k = q.flatten(0, 1), k[:, :64].flatten(0, 1)
+    varlen = fa.flash_attention_kernel.launch.SequenceLayout.of(packed_q, packed_k, cu_seqlens(lens), cu_seqlens(lens),
+                                                                64, 64)
+    assert not _specialized(fa, packed_q, packed_k, packed_k, layout=varlen)
+    monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
+    assert not _specialized(fa, q, k, v)
+    monkeypatch.delenv("FLASH_ATTENTION_TMA")
+    monkeypatch.setenv("FLASH_ATTENTION_WS", "0")
+    assert not _specialized(fa, q, k, v)
+    monkeypatch.delenv("FLASH_ATTENTION_WS")
+    checked = triton.__version__.startswith(fa.flash_attention_kernel.launch.WARP_SPECIALIZATION_CHECKED)
+    assert _specialized(fa, q, k, v) == (ON_GPU and torch.cuda.get_device_capability()[0] == 9 and checked)
+
+
+def _bshd(batch, seqlen, heads, dtype):
+    return torch.randn(batch, seqlen, heads, HEAD_DIM, dtype=dtype, device="cuda" if ON_GPU else "cpu")
+
+
+def _bhsd_view(batch, seqlen, heads, dtype):
+    return _bshd(batch, heads, seqlen, dtype).transpose(1, 2)
+
+
+# (name, q, k, v builders): key lengths are multiples of 128 (every key tile full, on CPU and GPU)
+CASES = [
+    ("bshd-gqa", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt))),
+    ("bshd-ragged-q", lambda dt: (_bshd(2, 113, 2, dt), _bshd(2, 128, 2, dt), _bshd(2, 128, 2, dt))),
+    ("bhsd-view", lambda dt: (_bhsd_view(2, 203, 3, dt), _bhsd_view(2, 128, 3, dt), _bhsd_view(2, 128, 3, dt))),
+    ("qkv-packed", lambda dt: _bshd(2, 128, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name, make", CASES, ids=[c[0] for c in CASES])
+def test_matches_plain_path_and_reference(fa, monkeypatch, name, make, dtype):
+    if not _descriptors_possible():
+        pytest.skip("tensor descriptors need a Hopper GPU")
+    q, k, v = make(dtype)
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASH_ATTENTION_WS", "1")
+    assert _specialized(fa, q, k, v)
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("FLASH_ATTENTION_WS", setting)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse, _ = fa.flash_attn_func(*leaves, return_attn_probs=True)
+        results[setting] = (out, lse, *torch.autograd.grad(out, leaves, dout))
+    if not ON_GPU:
+        for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["1"], results["0"]):
+            assert torch.equal(a, b), f"{label} differs between the warp-specialised and plain forward"
+
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    truth_out, truth_grads = run_ref(q, k, v, dout, False, scale, torch.float64)
+    pt_out, pt_grads = run_ref(q, k, v, dout, False, scale, dtype)
+    out, lse, *grads = results["1"]
+    assert_within_bar("out", out, pt_out, truth_out, FWD_FACTOR)
+    for label, ours, pt, truth in zip(("dq", "dk", "dv"), grads, pt_grads, truth_grads):
+        assert_within_bar(label, ours, pt, truth, BWD_FACTOR)
