@@ -28,12 +28,13 @@ import triton.language as tl
 
 from .configs import head_dim_chunks, tile_config
 from .launch import (
-    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode,
-    use_tma,
+    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
+    precision_mode, use_tma,
 )
 from .tiles import (
-    key_tile_range, load_row_stat, load_tile, load_tile_from, mma_into_head, mma_over_head, query_tile_range,
-    query_tile_start, sequence_span, store_tile, tile_base, tile_descriptors, visible,
+    key_tile_range, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, query_tile_range,
+    query_tile_start, round_to, sequence_span, store_tile, tensor_tile_descriptors, tile_base, tile_descriptors,
+    visible,
 )
 
 LOG2E_CONST = tl.constexpr(LOG2E)
@@ -176,10 +177,11 @@ def _dq_key_loop(
     offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(kv_start, kv_end, BLOCK_N):
+    for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                   MASKED, USE_TMA)
         v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
@@ -190,7 +192,10 @@ def _dq_key_loop(
             p = tl.where(visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL), p, 0.0)
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         ds = p * (dp - delta[:, None])
-        dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
+        if DIM_B > 0:
+            dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
+        else:  # dq_b must not be a loop variable here: warp specialisation fails on one left unchanged
+            dq_a = mma(round_to(ds, k_a.dtype, PRECISION), k_a, dq_a, PRECISION)
     return dq_a, dq_b
 
 
@@ -207,13 +212,15 @@ def _attn_bwd_dq_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     start_m = query_tile_start(BLOCK_M, IS_CAUSAL)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
-    if start_m >= seqlen_q:  # varlen: the grid covers the longest sequence
-        return
+    if IS_VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     causal_offset = seqlen_k - seqlen_q
@@ -231,8 +238,16 @@ def _attn_bwd_dq_kernel(
     delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
-    k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
-    v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+    if WARP_SPECIALIZE:
+        num_batches = tl.num_programs(2)
+        num_kv_heads = tl.num_programs(1) // GROUP_SIZE
+        k_descs = tensor_tile_descriptors(K, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_kb, stride_kh,
+                                          stride_kn, BLOCK_N, DIM_A, DIM_B)
+        v_descs = tensor_tile_descriptors(V, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_vb, stride_vh,
+                                          stride_vn, BLOCK_N, DIM_A, DIM_B)
+    else:
+        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
@@ -240,13 +255,14 @@ def _attn_bwd_dq_kernel(
     dq_a, dq_b = _dq_key_loop(
         dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
-    dq_a, dq_b = _dq_key_loop(
-        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-        offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
-    )
+    if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
+        dq_a, dq_b = _dq_key_loop(
+            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA, False,
+        )
     store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq_a * softmax_scale,
                dq_b * softmax_scale, start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
 
@@ -284,10 +300,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         BLOCK_M=pre_block, HAS_DLSE=dlse is not None, **common,
     )
 
-    seqlen = max(seqlen_q, seqlen_k)
-    dkdv_config = tile_config("bwd_dkdv", head_dim, q.dtype, interpreted, causal, seqlen)
-    dq_config = tile_config("bwd_dq", head_dim, q.dtype, interpreted, causal, seqlen)
-    dkdv_tma, dq_tma = use_tma([dkdv_config.tma, dq_config.tma], interpreted, q, k, v, dout)
+    dkdv_config = tile_config("bwd_dkdv", head_dim, q.dtype, interpreted, causal, max(seqlen_q, seqlen_k))
+    [dkdv_tma] = use_tma([dkdv_config.tma], interpreted, q, k, v, dout)
+    dq_config, dq_specialized, dq_tma = launch_plan("bwd_dq", head_dim, q.dtype, causal, layout, interpreted,
+                                                    lambda config: seqlen_k % config.block_n == 0, q, k, v, dout)
     if (dkdv_tma or dq_tma) and not interpreted:
         ensure_scratch_allocator()
 
@@ -303,6 +319,6 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(dq),
         *layout.stat_strides(delta), seqlen_q, seqlen_k, *scales, **common, **matmul,
-        USE_TMA=dq_tma, **dq_config.launch_args(),
+        USE_TMA=dq_tma, WARP_SPECIALIZE=dq_specialized, **dq_config.launch_args(),
     )
     return dq, dk, dv

@@ -129,11 +129,17 @@ _GPU_SHORT = {
     },
 }
 
-# Warp-specialised entries (launch.warp_specialize decides when the kernel can take one; the plain
-# entries above stay for every other call). Only widths where it beat the plain loop on the H200
-# (benchmarks/NOTES.md, v6): at head dim 64 the plain loop is faster.
+# Warp-specialised entries, (kernel, width, causal) -> (config, shortest sequence it is used at):
+# launch.warp_specialize decides whether a call can take one, the plain entries above serve every
+# other call. Only where they beat the plain loop on the H200 (benchmarks/NOTES.md, v6): the plain
+# loop is faster for the forward at widths 64, 80 and 96, for the dQ kernel below 4k rows, and for
+# the dK/dV kernel always (Triton 3.6 also fails to compile it and the dQ kernel warp-specialised
+# with 4 warps).
 _GPU_WARP_SPECIALIZED = {
-    ("fwd", 128, False): TileConfig(128, 128, 4, 2, tma=True),
+    ("fwd", 128, False): (TileConfig(128, 128, 4, 2, tma=True), 0),
+    ("fwd", 192, False): (TileConfig(128, 64, 4, 2, tma=True), 0),
+    ("fwd", 256, False): (TileConfig(128, 64, 4, 2, tma=True), 0),
+    ("bwd_dq", 128, False): (TileConfig(128, 128, 8, 2, tma=True), 4096),
 }
 
 # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
@@ -155,14 +161,25 @@ def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: boo
     return _table_entry(kernel, int(head_dim), dtype, interpreted, bool(causal), bucket)
 
 
-def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool,
-                            causal: bool) -> Optional[TileConfig]:
-    """The table's warp-specialised config for ``kernel``, or None where it has none. Under the
-    interpreter the small test tiles stand in for it."""
-    width = sum(head_dim_chunks(int(head_dim)))
-    if dtype == torch.float32 or (kernel, width, bool(causal)) not in _GPU_WARP_SPECIALIZED:
+def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool,
+                            seqlen: int) -> Optional[TileConfig]:
+    """The table's warp-specialised config for ``kernel`` on a problem whose longest sequence has
+    ``seqlen`` rows, or None where it has none. Under the interpreter the small test tiles stand in
+    for it, at any length, so that the tests reach this path."""
+    entry = _warp_specialized_entry(kernel, int(head_dim), dtype, bool(causal))
+    if entry is None:
         return None
-    return _INTERPRETER[kernel] if interpreted else _GPU_WARP_SPECIALIZED[(kernel, width, bool(causal))]
+    config, shortest = entry
+    if interpreted:
+        return _INTERPRETER[kernel]
+    return config if bool(seqlen >= shortest) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _warp_specialized_entry(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool):
+    if dtype == torch.float32:
+        return None
+    return _GPU_WARP_SPECIALIZED.get((kernel, sum(head_dim_chunks(head_dim)), causal))
 
 
 @functools.lru_cache(maxsize=None)  # a lookup per launch: keep it off the host's critical path

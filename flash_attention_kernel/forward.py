@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_chunks, tile_config, warp_specialized_config
+from .configs import head_dim_chunks
 from .launch import (
-    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode,
-    use_tma, warp_specialize,
+    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
+    precision_mode,
 )
 from .tiles import (
     key_tile_range, load_tile_from, mma, mma_into_head, mma_over_head, query_tile_start, round_to, sequence_span,
@@ -175,7 +175,8 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config, specialized, tma = launch_plan(q, k, v, causal, layout, interpreted)
+    config, specialized, tma = launch_plan("fwd", head_dim, q.dtype, causal, layout, interpreted,
+                                           lambda config: layout.seqlen_k % config.block_n == 0, q, k, v)
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
     if tma and not interpreted:
@@ -191,15 +192,3 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
     )
     return out, lse
 
-
-def launch_plan(q, k, v, causal: bool, layout: SequenceLayout, interpreted: bool):
-    """(tile config, warp-specialised?, tensor descriptors?) for one forward call: the table's
-    warp-specialised entry where the call can take it (launch.warp_specialize), else its plain one."""
-    head_dim = q.shape[-1]
-    config = warp_specialized_config("fwd", head_dim, q.dtype, interpreted, causal)
-    if config is not None and warp_specialize(config.block_n, interpreted, causal, layout, head_dim,
-                                              sum(head_dim_chunks(head_dim)), q, k, v):
-        return config, True, True
-    config = tile_config("fwd", head_dim, q.dtype, interpreted, causal, max(layout.seqlen_q, layout.seqlen_k))
-    [tma] = use_tma([config.tma], interpreted, q, k, v)
-    return config, False, tma

@@ -1,15 +1,18 @@
 """Host-side helpers shared by the kernel launchers."""
 
+import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
+
+from .configs import TileConfig, head_dim_chunks, tile_config, warp_specialized_config
 
 LOG2E = math.log2(math.e)
 
@@ -54,31 +57,51 @@ def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
 WARP_SPECIALIZATION_CHECKED = ("3.6.",)
 
 
-def warp_specialize(block_n: int, interpreted: bool, causal: bool, layout: "SequenceLayout", head_dim: int,
-                    chunk_width: int, *tensors: torch.Tensor) -> bool:
-    """Whether the forward runs its key loop warp-specialised (one warp loads tiles through the
-    copy engine while the others compute; ``tl.range(..., warp_specialize=True)``), given that the
-    config table has a warp-specialised entry whose key tile has ``block_n`` rows.
+def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, layout: "SequenceLayout",
+                interpreted: bool, tiles_full: Callable[[TileConfig], bool], *tensors: torch.Tensor):
+    """(tile config, warp-specialised?, tensor descriptors?) for one launch of ``kernel``: the
+    table's warp-specialised entry where the call can take it (``warp_specialize``; ``tiles_full``
+    says whether the loop's tiles are all full at that entry's tile sizes), else its plain entry."""
+    seqlen = max(layout.seqlen_q, layout.seqlen_k)
+    config = warp_specialized_config(kernel, head_dim, dtype, interpreted, causal, seqlen)
+    if config is not None and warp_specialize(tiles_full(config), interpreted, causal, layout, head_dim, *tensors):
+        return config, True, True
+    config = tile_config(kernel, head_dim, dtype, interpreted, causal, seqlen)
+    [tma] = use_tma([config.tma], interpreted, *tensors)
+    return config, False, tma
 
-    Only for the one loop shape Triton compiles correctly: dense, non-causal, every key tile full
-    (seqlen_k a multiple of block_n, so no tile needs a mask), the head dim exactly its chunks
-    (``chunk_width``), and q, k, v readable through ``tiles.tensor_tile_descriptors``.
+
+def warp_specialize(tiles_full: bool, interpreted: bool, causal: bool, layout: "SequenceLayout", head_dim: int,
+                    *tensors: torch.Tensor) -> bool:
+    """Whether a kernel runs its main loop warp-specialised (one warp loads tiles through the copy
+    engine while the others compute; ``tl.range(..., warp_specialize=True)``), given that the
+    config table has a warp-specialised entry for it.
+
+    Only for the one loop shape Triton compiles correctly: dense, non-causal, every tile of the
+    loop full (``tiles_full``: its sequence length a multiple of the tile, so no tile needs a
+    mask), the head dim exactly its chunks (no padding), and the tensors readable through
+    ``tiles.tensor_tile_descriptors``.
     FLASH_ATTENTION_WS=0 turns it off, "1" on wherever those hold, the CPU interpreter and any
     Triton included (the interpreter runs the same code without warp specialisation; the tests use
     it to cover this path without a GPU); unset, it runs compiled on Hopper (sm_90) with a Triton
     version in WARP_SPECIALIZATION_CHECKED. It needs tensor descriptors, so FLASH_ATTENTION_TMA=0
     turns it off too.
     """
+    if causal or layout.is_varlen or not tiles_full or head_dim != sum(head_dim_chunks(head_dim)):
+        return False
     setting = os.environ.get("FLASH_ATTENTION_WS", "")
     if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
         return False
-    if setting != "1" and (interpreted or not triton.__version__.startswith(WARP_SPECIALIZATION_CHECKED)
-                           or tensors[0].device.type != "cuda" or torch.version.hip
-                           or torch.cuda.get_device_capability(tensors[0].device)[0] != 9):
-        return False
-    if causal or layout.is_varlen or layout.seqlen_k % block_n or head_dim != chunk_width:
+    if setting != "1" and (interpreted or not _checked_hopper(tensors[0].device)):
         return False
     return _tma_possible(interpreted, tensors) and all(_splits_into_rows(x, layout) for x in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_hopper(device: torch.device) -> bool:
+    """A Hopper GPU (sm_90) under a Triton in WARP_SPECIALIZATION_CHECKED."""
+    return (device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] == 9
+            and triton.__version__.startswith(WARP_SPECIALIZATION_CHECKED))
 
 
 def _splits_into_rows(x: torch.Tensor, layout: "SequenceLayout") -> bool:

@@ -1,8 +1,8 @@
-"""The warp-specialised forward (launch.warp_specialize) against the plain one and the reference.
+"""The warp-specialised kernels (launch.warp_specialize) against the plain ones and the reference.
 
-On a Hopper GPU with a checked Triton the forward of dense, non-causal calls whose key tiles are
-all full runs warp-specialised, reading tiles through descriptors over the whole tensor
-(tiles.tensor_tile_descriptors). FLASH_ATTENTION_WS=1 forces that path wherever it can work, the
+On a Hopper GPU with a checked Triton, the forward and dQ kernels of dense non-causal calls whose
+key tiles are all full run warp-specialised (the dQ kernel from 4k keys), reading tiles through
+descriptors over the whole tensor (tiles.tensor_tile_descriptors). FLASH_ATTENTION_WS=1 forces that path wherever it can work, the
 CPU interpreter included (same code, no warp specialisation), "0" turns it off. The cases cross
 the places where whole-tensor descriptors differ from per-slice ones: query tiles running past
 their slice into the next head's or batch's rows, heads side by side in a row or one under
@@ -20,25 +20,33 @@ from conftest import ON_GPU
 from inputs import cu_seqlens, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, run_ref
 
-HEAD_DIM = 128  # the width with a warp-specialised config entry
+HEAD_DIM = 128  # a width with warp-specialised entries for the forward and dQ kernels
 
 
 def _descriptors_possible():
     return not ON_GPU or torch.cuda.get_device_capability()[0] >= 9
 
 
-def _specialized(fa, q, k, v, causal=False, layout=None):
-    kernel = fa.flash_attention_kernel
-    layout = layout or kernel.launch.SequenceLayout.of(q, k)
-    return kernel.forward.launch_plan(q, k, v, causal, layout, not ON_GPU)[1]
+def _specialized(fa, q, k, v, causal=False, layout=None, kernel="fwd"):
+    """Whether ``kernel`` runs warp-specialised on these inputs (the launchers' rule: the forward
+    and dQ kernels loop over key tiles, which must all be full)."""
+    launch = fa.flash_attention_kernel.launch
+    layout = layout or launch.SequenceLayout.of(q, k)
+    full = lambda config: layout.seqlen_k % config.block_n == 0  # noqa: E731
+    return launch.launch_plan(kernel, q.shape[-1], q.dtype, causal, layout, not ON_GPU, full, q, k, v)[1]
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):
     """The decision; without it the comparisons below could compare the plain path with itself."""
     q, k, v = random_qkv((2, 64, 4, HEAD_DIM), (2, 256, 2, HEAD_DIM), torch.bfloat16)
     monkeypatch.setenv("FLASH_ATTENTION_WS", "1")
+    long_k = k.repeat(1, 16, 1, 1)  # 4096 keys: the dQ kernel's entry starts there on the GPU
     assert _specialized(fa, q, k, v) == _descriptors_possible()
-    assert not _specialized(fa, q, k, v, causal=True)
+    assert _specialized(fa, q, long_k, long_k, kernel="bwd_dq") == _descriptors_possible()
+    assert _specialized(fa, q, k, v, kernel="bwd_dq") == (not ON_GPU)
+    assert not _specialized(fa, q, long_k, long_k, kernel="bwd_dkdv")  # no entry
+    for kernel in ("fwd", "bwd_dq"):
+        assert not _specialized(fa, q, long_k, long_k, causal=True, kernel=kernel)
     assert not _specialized(fa, q, k[:, :200], v[:, :200])  # the last key tile is partial
     assert not _specialized(fa, q[..., :120], k[..., :120], v[..., :120])  # head dim padded to 128
     assert not _specialized(fa, *(x[..., :64].contiguous() for x in (q, k, v)))  # no entry at 64
@@ -61,8 +69,8 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert _specialized(fa, q, k, v) == (ON_GPU and torch.cuda.get_device_capability()[0] == 9 and checked)
 
 
-def _bshd(batch, seqlen, heads, dtype):
-    return torch.randn(batch, seqlen, heads, HEAD_DIM, dtype=dtype, device="cuda" if ON_GPU else "cpu")
+def _bshd(batch, seqlen, heads, dtype, head_dim=HEAD_DIM):
+    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda" if ON_GPU else "cpu")
 
 
 def _bhsd_view(batch, seqlen, heads, dtype):
@@ -75,6 +83,9 @@ CASES = [
     ("bshd-ragged-q", lambda dt: (_bshd(2, 113, 2, dt), _bshd(2, 128, 2, dt), _bshd(2, 128, 2, dt))),
     ("bhsd-view", lambda dt: (_bhsd_view(2, 203, 3, dt), _bhsd_view(2, 128, 3, dt), _bhsd_view(2, 128, 3, dt))),
     ("qkv-packed", lambda dt: _bshd(2, 128, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2)),
+    ("long-keys", lambda dt: (_bshd(1, 64, 2, dt), _bshd(1, 4096, 1, dt), _bshd(1, 4096, 1, dt))),
+    ("d192-two-chunks", lambda dt: (_bshd(2, 113, 2, dt, 192), _bshd(2, 128, 2, dt, 192), _bshd(2, 128, 2, dt, 192))),
+    ("d256-gqa", lambda dt: (_bshd(1, 64, 4, dt, 256), _bshd(1, 128, 2, dt, 256), _bshd(1, 128, 2, dt, 256))),
 ]
 
 
@@ -95,9 +106,9 @@ def test_matches_plain_path_and_reference(fa, monkeypatch, name, make, dtype):
         results[setting] = (out, lse, *torch.autograd.grad(out, leaves, dout))
     if not ON_GPU:
         for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["1"], results["0"]):
-            assert torch.equal(a, b), f"{label} differs between the warp-specialised and plain forward"
+            assert torch.equal(a, b), f"{label} differs between the warp-specialised and plain kernels"
 
-    scale = 1.0 / math.sqrt(HEAD_DIM)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     truth_out, truth_grads = run_ref(q, k, v, dout, False, scale, torch.float64)
     pt_out, pt_grads = run_ref(q, k, v, dout, False, scale, dtype)
     out, lse, *grads = results["1"]
