@@ -1,8 +1,10 @@
 """Does Triton's warp specialisation work on this GPU for an attention forward? (lab probe)
 
-Our forward kernel does not use ``tl.range(..., warp_specialize=True)``: with Triton 3.6 on an H200
-it crashed the compiler or returned wrong results in every 4-warp config tried (benchmarks/NOTES.md,
-v5), although a minimal kernel gains 13-19 %. This script keeps that minimal kernel, non-causal,
+With Triton 3.6 on an H200, ``tl.range(..., warp_specialize=True)`` crashed the compiler or returned
+wrong results for our forward in every 4-warp config tried while it read tiles through per-(batch,
+head) descriptors (benchmarks/NOTES.md, v5), although a minimal kernel gains 13-19 %; the kernels
+now take it only in the shape found to work (descriptors over the whole tensor, one loop of full
+tiles, v6). This script keeps that minimal kernel, non-causal,
 head dim 128, N a multiple of 128, descriptors over (B * H * N, D) rows, and adds one feature of
 ours at a time (flags, combinable), so a newer Triton can be re-checked in a minute:
 
