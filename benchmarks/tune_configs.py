@@ -9,13 +9,20 @@ current entry. The forward is timed alone; each backward kernel is timed through
 backward with the other kernel at its current config (the preprocess pass is common to all
 candidates). Run it with --seqlen 1024 / 2048 for the short-sequence entries (configs.SEQLEN_BUCKETS).
 
+With --warp-specialized it tunes the warp-specialised entries instead (configs._GPU_WARP_SPECIALIZED:
+forward and dQ kernel, non-causal, tiles through descriptors); it stops if the launch would not
+take that path here (launch.warp_specialize: a Hopper GPU and a checked Triton, or
+FLASH_ATTENTION_WS=1). Its candidates are those seen to compile on Triton 3.6 (benchmarks/NOTES.md,
+v6): a candidate that crashes the compiler aborts the sweep. Without it, the kernel being tuned
+runs its plain loop at every length.
+
 Compilation dominates a sweep, so a first phase compiles every candidate in --jobs worker
 processes (filling Triton's on-disk cache) and the timing phase then runs on one process.
 Configs that do not fit (shared memory, registers) are reported and skipped. Copy the winners
 into configs.py by hand, with the date and device in the lab notebook (benchmarks/NOTES.md).
 
 Usage: python benchmarks/tune_configs.py [--head-dims 64 128 256] [--kernels fwd bwd_dkdv bwd_dq]
-       [--seqlen 4096] [--layout bhsd] [--jobs 8] [--out tune.json]
+       [--seqlen 4096] [--layout bhsd] [--warp-specialized] [--jobs 8] [--out tune.json]
 """
 
 import argparse
@@ -33,9 +40,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from flash_attention_kernel import attention_backward, attention_forward  # noqa: E402
-from flash_attention_kernel import backward as backward_module  # noqa: E402
 from flash_attention_kernel import configs  # noqa: E402
-from flash_attention_kernel import forward as forward_module  # noqa: E402
+from flash_attention_kernel import launch as launch_module  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); each is tried with and without tensor descriptors (TMA)
@@ -51,6 +57,13 @@ _TILES = {
                (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
 }
 CANDIDATES = {kernel: [tile + (tma,) for tile in tiles for tma in (False, True)] for kernel, tiles in _TILES.items()}
+# Warp-specialised loops read every tile through descriptors (tma=True); the dQ kernel only
+# compiles with 8 warps (NOTES v6), the dK/dV kernel not at all.
+WARP_SPECIALIZED_CANDIDATES = {
+    "fwd": [(128, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 128, 4, 2, True), (128, 128, 8, 2, True),
+            (128, 64, 8, 2, True)],
+    "bwd_dq": [(128, 64, 8, 2, True), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (64, 128, 8, 2, True)],
+}
 
 
 def _inputs(head_dim, seqlen, layout, dtype=torch.bfloat16):
@@ -63,14 +76,39 @@ def _inputs(head_dim, seqlen, layout, dtype=torch.bfloat16):
     return [torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(4)]
 
 
-def _with_config(kernel, config):
-    """Make the launchers use ``config`` for ``kernel`` and the table for the others."""
+def _with_config(kernel, config, specialized):
+    """Make the launchers (``launch.launch_plan``) use ``config`` for ``kernel``, as its
+    warp-specialised entry if ``specialized`` else as its plain one with warp specialisation off,
+    and the table for the other kernels."""
 
-    def choose(name, head_dim, dtype, interpreted, causal=False, seqlen=0):
-        return config if name == kernel else configs.tile_config(name, head_dim, dtype, interpreted, causal, seqlen)
+    def plain(name, *args):
+        return config if name == kernel and not specialized else configs.tile_config(name, *args)
 
-    forward_module.tile_config = choose
-    backward_module.tile_config = choose
+    def warp_specialized(name, *args):
+        if name != kernel:
+            return configs.warp_specialized_config(name, *args)
+        return config if specialized else None
+
+    launch_module.tile_config = plain
+    launch_module.warp_specialized_config = warp_specialized
+
+
+def _current(kernel, head_dim, causal, seqlen, specialized):
+    """The table's entry for the tuned kernel, as a tuple (None where it has no such entry)."""
+    if specialized:
+        config = configs.warp_specialized_config(kernel, head_dim, torch.bfloat16, False, causal, seqlen)
+    else:
+        config = configs.tile_config(kernel, head_dim, torch.bfloat16, False, causal, seqlen)
+    return astuple(config) if config is not None else None
+
+
+def _takes_warp_specialization(kernel, head_dim, causal, tensors):
+    """Whether the launch of ``kernel`` on ``tensors`` runs its warp-specialised loop."""
+    q, k = tensors[:2]
+    layout = launch_module.SequenceLayout.of(q, k)
+    read = tensors[:3] if kernel == "fwd" else tensors
+    return launch_module.launch_plan(kernel, head_dim, q.dtype, causal, layout, False,
+                                     lambda config: layout.seqlen_k % config.block_n == 0, *read)[1]
 
 
 def _run(kernel, head_dim, causal, tensors):
@@ -84,10 +122,10 @@ def _run(kernel, head_dim, causal, tensors):
 
 def _compile_worker(jobs):
     """Launch each (kernel, head_dim, seqlen, config) once so that Triton caches the binaries."""
-    for kernel, head_dim, seqlen, layout, config in jobs:
-        _with_config(kernel, configs.TileConfig(*config))
+    for kernel, head_dim, seqlen, layout, config, specialized, masks in jobs:
+        _with_config(kernel, configs.TileConfig(*config), specialized)
         tensors = _inputs(head_dim, seqlen, layout)
-        for causal in (False, True):
+        for causal in masks:
             try:
                 _run(kernel, head_dim, causal, tensors)()
             except Exception:  # reported in the timing phase
@@ -99,26 +137,32 @@ def _max_difference(result, reference):
     return max((a.float() - b.float()).abs().max().item() for a, b in zip(result, reference))
 
 
-def time_config(kernel, head_dim, config, causal, tensors, reference):
+def time_config(kernel, head_dim, config, causal, tensors, reference, specialized):
     """Milliseconds of ``kernel`` with ``config``, and the largest difference of its results
     from ``reference`` (the current table entry's)."""
-    _with_config(kernel, configs.TileConfig(*config))
+    _with_config(kernel, configs.TileConfig(*config), specialized)
     fn = _run(kernel, head_dim, causal, tensors)
     difference = _max_difference(fn(), reference)
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"), difference
 
 
-def tune(kernel, head_dim, causal, seqlen, layout):
+def tune(kernel, head_dim, causal, seqlen, layout, specialized):
     """Time every candidate for one (kernel, head dim, mask); returns the result record."""
     tensors = _inputs(head_dim, seqlen, layout)
     mask = "causal" if causal else "non-causal"
-    current = astuple(configs.tile_config(kernel, head_dim, torch.bfloat16, False, causal, seqlen))
-    _with_config(kernel, configs.TileConfig(*current))
+    candidates = (WARP_SPECIALIZED_CANDIDATES if specialized else CANDIDATES)[kernel]
+    current = _current(kernel, head_dim, causal, seqlen, specialized)
+    first = current or candidates[0]
+    _with_config(kernel, configs.TileConfig(*first), specialized)
+    if specialized and not _takes_warp_specialization(kernel, head_dim, causal, tensors):
+        sys.exit(f"{kernel} d{head_dim} {mask} N={seqlen}: the launch would not warp-specialise here "
+                 "(launch.warp_specialize); nothing tuned")
     reference = _run(kernel, head_dim, causal, tensors)()
     timings = {}
-    for config in dict.fromkeys([current, *CANDIDATES[kernel]]):
+    for config in dict.fromkeys([first, *candidates]):
         try:
-            timings[config], difference = time_config(kernel, head_dim, config, causal, tensors, reference)
+            timings[config], difference = time_config(kernel, head_dim, config, causal, tensors, reference,
+                                                      specialized)
         except Exception as error:  # out of shared memory / registers
             print(f"  {kernel} d{head_dim} {mask} {config}: skipped ({type(error).__name__}: {str(error)[:200]})")
             continue
@@ -128,8 +172,12 @@ def tune(kernel, head_dim, causal, seqlen, layout):
             print(f"  {kernel} d{head_dim} {mask} {config}: WRONG RESULTS, dropped")
             del timings[config]
     best = min(timings, key=timings.get)
-    print(f"{kernel} d{head_dim} {mask} N={seqlen}: current {current} {timings[current]:.3f} ms -> best {best} "
-          f"{timings[best]:.3f} ms ({timings[current] / timings[best]:.2f}x)", flush=True)
+    if current in timings:
+        print(f"{kernel} d{head_dim} {mask} N={seqlen}: current {current} {timings[current]:.3f} ms -> best {best} "
+              f"{timings[best]:.3f} ms ({timings[current] / timings[best]:.2f}x)", flush=True)
+    else:
+        print(f"{kernel} d{head_dim} {mask} N={seqlen}: no current entry -> best {best} {timings[best]:.3f} ms",
+              flush=True)
     return dict(kernel=kernel, head_dim=head_dim, causal=causal, seqlen=seqlen, current=current, best=best,
                 timings_ms={"x".join(map(str, c)): t for c, t in timings.items()})
 
@@ -141,18 +189,25 @@ def main(argv):
     parser.add_argument("--seqlen", type=int, default=4096, help="N; batch = 16k tokens / N")
     parser.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
                         help="memory layout of q, k, v (bhsd: the benchmark's)")
+    parser.add_argument("--warp-specialized", action="store_true",
+                        help="tune the warp-specialised entries (fwd, bwd_dq; non-causal)")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
+    specialized = args.warp_specialized
+    if specialized and not set(args.kernels) <= set(WARP_SPECIALIZED_CANDIDATES):
+        parser.error(f"--warp-specialized tunes only {', '.join(WARP_SPECIALIZED_CANDIDATES)}")
+    masks = (False,) if specialized else (False, True)
+    candidates = WARP_SPECIALIZED_CANDIDATES if specialized else CANDIDATES
 
-    jobs = [(kernel, head_dim, args.seqlen, args.layout, config) for kernel in args.kernels for head_dim in args.head_dims
-            for config in CANDIDATES[kernel]]
+    jobs = [(kernel, head_dim, args.seqlen, args.layout, config, specialized, masks) for kernel in args.kernels
+            for head_dim in args.head_dims for config in candidates[kernel]]
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             pool.map(_compile_worker, [jobs[i::args.jobs] for i in range(args.jobs)])
 
-    results = [tune(kernel, head_dim, causal, args.seqlen, args.layout)
-               for kernel in args.kernels for head_dim in args.head_dims for causal in (False, True)]
+    results = [tune(kernel, head_dim, causal, args.seqlen, args.layout, specialized)
+               for kernel in args.kernels for head_dim in args.head_dims for causal in masks]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

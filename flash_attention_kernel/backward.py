@@ -26,15 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_chunks, tile_config
+from .configs import head_dim_chunks
 from .launch import (
     LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
-    precision_mode, use_tma,
+    precision_mode,
 )
 from .tiles import (
     key_tile_range, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, query_tile_range,
-    query_tile_start, round_to, sequence_span, store_tile, tensor_tile_descriptors, tile_base, tile_descriptors,
-    visible,
+    query_tile_start, round_to, sequence_span, slice_descriptors, store_tile, tile_base, tile_descriptors, visible,
 )
 
 LOG2E_CONST = tl.constexpr(LOG2E)
@@ -238,16 +237,11 @@ def _attn_bwd_dq_kernel(
     delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
-    if WARP_SPECIALIZE:
-        num_batches = tl.num_programs(2)
-        num_kv_heads = tl.num_programs(1) // GROUP_SIZE
-        k_descs = tensor_tile_descriptors(K, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_kb, stride_kh,
-                                          stride_kn, BLOCK_N, DIM_A, DIM_B)
-        v_descs = tensor_tile_descriptors(V, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_vb, stride_vh,
-                                          stride_vn, BLOCK_N, DIM_A, DIM_B)
-    else:
-        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
-        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+    num_kv_heads = tl.num_programs(1) // GROUP_SIZE
+    k_descs = slice_descriptors(K, k_base, batch, kv_head, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn,
+                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
+    v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
+                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
     kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
@@ -300,8 +294,9 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         BLOCK_M=pre_block, HAS_DLSE=dlse is not None, **common,
     )
 
-    dkdv_config = tile_config("bwd_dkdv", head_dim, q.dtype, interpreted, causal, max(seqlen_q, seqlen_k))
-    [dkdv_tma] = use_tma([dkdv_config.tma], interpreted, q, k, v, dout)
+    # (the dK/dV kernel has no warp-specialised loop: Triton 3.6 fails on it, benchmarks/NOTES.md v6)
+    dkdv_config, _, dkdv_tma = launch_plan("bwd_dkdv", head_dim, q.dtype, causal, layout, interpreted,
+                                           lambda config: False, q, k, v, dout)
     dq_config, dq_specialized, dq_tma = launch_plan("bwd_dq", head_dim, q.dtype, causal, layout, interpreted,
                                                     lambda config: seqlen_k % config.block_n == 0, q, k, v, dout)
     if (dkdv_tma or dq_tma) and not interpreted:

@@ -36,7 +36,7 @@ from .launch import (
 )
 from .tiles import (
     key_tile_range, load_tile_from, mma, mma_into_head, mma_over_head, query_tile_start, round_to, sequence_span,
-    store_tile, tensor_tile_descriptors, tile_base, tile_descriptors, visible,
+    slice_descriptors, store_tile, tile_base, visible,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -109,19 +109,13 @@ def _attn_fwd_kernel(
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    if WARP_SPECIALIZE:
-        num_batches = tl.num_programs(2)
-        num_kv_heads = tl.num_programs(1) // GROUP_SIZE
-        q_descs = tensor_tile_descriptors(Q, batch, head, num_batches, tl.num_programs(1), seqlen_q, stride_qb,
-                                          stride_qh, stride_qm, BLOCK_M, DIM_A, DIM_B)
-        k_descs = tensor_tile_descriptors(K, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_kb, stride_kh,
-                                          stride_kn, BLOCK_N, DIM_A, DIM_B)
-        v_descs = tensor_tile_descriptors(V, batch, kv_head, num_batches, num_kv_heads, seqlen_k, stride_vb, stride_vh,
-                                          stride_vn, BLOCK_N, DIM_A, DIM_B)
-    else:
-        q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
-        k_descs = tile_descriptors(k_base, seqlen_k, stride_kn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
-        v_descs = tile_descriptors(v_base, seqlen_k, stride_vn, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+    num_kv_heads = tl.num_programs(1) // GROUP_SIZE
+    q_descs = slice_descriptors(Q, q_base, batch, head, tl.num_programs(1), seqlen_q, stride_qb, stride_qh, stride_qm,
+                                BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
+    k_descs = slice_descriptors(K, k_base, batch, kv_head, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn,
+                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
+    v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
+                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
     q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True,
                               USE_TMA)
 

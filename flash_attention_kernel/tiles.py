@@ -137,6 +137,21 @@ def tensor_tile_descriptors(tensor_ptr, batch, head, num_batches, num_heads, seq
 
 
 @triton.jit
+def slice_descriptors(tensor_ptr, slice_base, batch, head, num_heads, seqlen, stride_batch, stride_head, stride_row,
+                      BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
+                      USE_TMA: tl.constexpr, WHOLE_TENSOR: tl.constexpr):
+    """The descriptors every kernel reads a (batch, head) slice through (``load_tile_from``): over
+    the whole tensor with WHOLE_TENSOR (``tensor_tile_descriptors``, which warp-specialised loops
+    need), else over the slice alone, which starts at ``slice_base`` (``tile_descriptors``). The
+    batch count is the size of grid axis 2, as in every kernel here."""
+    if WHOLE_TENSOR:
+        return tensor_tile_descriptors(tensor_ptr, batch, head, tl.num_programs(2), num_heads, seqlen, stride_batch,
+                                       stride_head, stride_row, BLOCK_ROWS, DIM_A, DIM_B)
+    else:
+        return tile_descriptors(slice_base, seqlen, stride_row, BLOCK_ROWS, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+
+
+@triton.jit
 def _chunk_descriptors(base_ptr, num_rows, num_cols, stride_row, BLOCK_ROWS: tl.constexpr, DIM_A: tl.constexpr,
                        DIM_B: tl.constexpr):
     desc_a = tl.make_tensor_descriptor(base_ptr, shape=[num_rows, num_cols], strides=[stride_row, 1],
