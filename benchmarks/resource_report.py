@@ -8,7 +8,8 @@ says nothing about the real kernel); sequence lengths are not specialised, as in
 
 Usage: python benchmarks/resource_report.py [--causal] fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
        (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
-       with "xtma" to read tiles through tensor descriptors; --causal for the causal kernels)
+       with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
+       loop, which reads through descriptors too; --causal for the causal kernels)
 """
 
 import re
@@ -45,12 +46,14 @@ def _signature(kernel, dtype, constexprs):
     return signature
 
 
-def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, causal=False):
+def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, causal=False,
+           specialized=False):
     kernel = KERNELS[kernel_name]
     dim_a, dim_b = configs.head_dim_chunks(head_dim)
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
                       BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal, IS_VARLEN=False,
-                      PRECISION="ieee" if dtype == "fp32" else "tf32", USE_TMA=tma, CuSeqlensQ=None, CuSeqlensK=None)
+                      PRECISION="ieee" if dtype == "fp32" else "tf32", USE_TMA=tma or specialized,
+                      WARP_SPECIALIZE=specialized, CuSeqlensQ=None, CuSeqlensK=None)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = _signature(kernel, dtype, constexprs)
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -82,7 +85,7 @@ def main(argv):
         block_m, block_n, num_warps, num_stages = map(int, fields[:4])
         try:
             result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, "tma" in fields[4:],
-                            causal)
+                            causal, "ws" in fields[4:])
         except Exception as error:
             print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
             continue
