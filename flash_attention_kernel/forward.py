@@ -185,4 +185,3 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
         **config.launch_args(),
     )
     return out, lse
-

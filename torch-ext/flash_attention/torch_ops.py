@@ -203,5 +203,3 @@ def attention(name: str, *args) -> tuple[Tensor, Tensor]:
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors if x is not None):
         return _EagerAttention.apply(name, *args)
     return _DIRECT[name](*args)
-
-
