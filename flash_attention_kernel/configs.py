@@ -94,7 +94,7 @@ _GPU = {
     ("bwd_dkdv", 64, False): TileConfig(64, 64, 4, 2),
     ("bwd_dkdv", 64, True): TileConfig(64, 64, 4, 2),
     ("bwd_dkdv", 128, False): TileConfig(64, 64, 4, 2, tma=True),
-    ("bwd_dkdv", 128, True): TileConfig(32, 64, 4, 2),
+    ("bwd_dkdv", 128, True): TileConfig(64, 128, 8, 3, tma=True),
     ("bwd_dkdv", 256, False): TileConfig(64, 64, 8, 2),
     ("bwd_dkdv", 256, True): TileConfig(64, 64, 8, 2),
     ("bwd_dkdv", 80, False): TileConfig(64, 64, 4, 2, tma=True),
@@ -117,15 +117,18 @@ _GPU = {
 }
 
 # Entries that beat _GPU's on short sequences, per bucket (tuned with --seqlen 1024 / 2048; at
-# N = 512 too for the first bucket).
+# N = 512 too for the first bucket). The causal d128 dK/dV kernel takes 128-key tiles from 4k rows
+# on and the smaller ones below (benchmarks/NOTES.md, v8).
 _GPU_SHORT = {
     1024: {
         ("fwd", 64, True): TileConfig(64, 64, 4, 3),
         ("fwd", 128, False): TileConfig(128, 32, 8, 3),
         ("fwd", 128, True): TileConfig(64, 64, 4, 3),
+        ("bwd_dkdv", 128, True): TileConfig(32, 64, 4, 2),
     },
     2048: {
         ("fwd", 128, False): TileConfig(64, 64, 4, 3, tma=True),
+        ("bwd_dkdv", 128, True): TileConfig(32, 64, 4, 2),
     },
 }
 

@@ -16,7 +16,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 # (seqlen_q, seqlen_k)
 SEQLENS_CPU = [(1, 1), (17, 17), (113, 113), (203, 203), (113, 203), (203, 113), (1, 17), (17, 1)]
-SEQLENS_GPU = SEQLENS_CPU + [(1023, 1024), (1024, 1023), (127, 513), (3, 799), (4096, 4096)]
+SEQLENS_GPU = SEQLENS_CPU + [(1023, 1024), (1024, 1023), (127, 513), (3, 799), (4096, 4096), (4093, 3001)]
 SEQLENS = SEQLENS_GPU if ON_GPU else SEQLENS_CPU
 
 HEAD_DIMS_CPU = [40, 59, 64, 80, 96, 111, 128, 192, 256]
@@ -26,5 +26,6 @@ HEAD_DIMS = HEAD_DIMS_GPU if ON_GPU else HEAD_DIMS_CPU
 # (batch, heads_q, heads_kv): MHA, GQA 2:1, MQA 4:1, GQA 3:1
 HEADS = [(2, 2, 2), (1, 4, 2), (2, 4, 1), (1, 6, 2)] if ON_GPU else [(1, 2, 2), (1, 4, 2), (1, 2, 1), (1, 3, 1)]
 
-# The head dim and seqlens used where a test sweeps something else.
-LONG_SEQLENS = (4096, 4096) if ON_GPU else (203, 113)
+# The seqlens used where a test sweeps something else: on the GPU, past the short-sequence config
+# buckets (configs.SEQLEN_BUCKETS), with ragged last tiles.
+LONG_SEQLENS = (3001, 4093) if ON_GPU else (203, 113)
