@@ -53,7 +53,8 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
                       BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal, IS_VARLEN=False,
                       PRECISION="ieee" if dtype == "fp32" else "tf32", USE_TMA=tma or specialized,
-                      WARP_SPECIALIZE=specialized, CuSeqlensQ=None, CuSeqlensK=None)
+                      WARP_SPECIALIZE=specialized, CuSeqlensQ=None, CuSeqlensK=None,
+                      COMPUTE_DELTA=not specialized, HAS_DLSE=False)  # (as dense launches set them)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = _signature(kernel, dtype, constexprs)
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)

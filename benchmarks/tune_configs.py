@@ -108,8 +108,7 @@ def _takes_warp_specialization(kernel, head_dim, causal, tensors):
     q, k = tensors[:2]
     layout = launch_module.SequenceLayout.of(q, k)
     read = tensors[:3] if kernel == "fwd" else tensors
-    return launch_module.launch_plan(kernel, head_dim, q.dtype, causal, layout, False,
-                                     lambda config: layout.seqlen_k % config.block_n == 0, *read)[1]
+    return launch_module.launch_plan(kernel, head_dim, q.dtype, causal, layout, False, *read)[1]
 
 
 def _run(kernel, head_dim, causal, tensors):

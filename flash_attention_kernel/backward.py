@@ -1,15 +1,18 @@
-"""Backward pass: three kernels, no atomics, so every gradient is bitwise repeatable.
+"""Backward pass: two or three kernels, no atomics, so every gradient is bitwise repeatable.
 
 With S = softmax_scale * Q K^T, P = exp(S - lse) (recomputed from the forward's logsumexp) and
 dO the output gradient, the gradients are
 
-    delta = rowsum(dO * O) - dlse                  (preprocess kernel; dlse = grad of the lse output)
+    delta = rowsum(dO * O) - dlse                  (dlse = grad of the lse output)
     dV    = P^T dO
     dP    = dO V^T
     dS    = P * (dP - delta)
     dK    = softmax_scale * dS^T Q
     dQ    = softmax_scale * dS K
 
+* delta comes first: from the dQ kernel's prologue, which then runs before the dK/dV kernel, or,
+  where that prologue would slow the dQ kernel down (warp-specialised or varlen), from
+  ``_attn_bwd_preprocess_kernel``.
 * ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
   tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
   in registers, never by expanding K/V in memory or by atomics.
@@ -55,19 +58,29 @@ def _attn_bwd_preprocess_kernel(
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     if start_m >= seqlen_q:
         return
-    o_a, o_b = load_tile(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), start_m, stride_om,
-                         seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     do_a, do_b = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m,
                            stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
+    _store_row_delta(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), do_a, do_b,
+                     tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1),
+                     tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1),
+                     start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, HAS_DLSE)
+
+
+@triton.jit
+def _store_row_delta(out_base, do_a, do_b, dlse_base, delta_base, start_m, stride_om, seqlen_q,
+                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
+                     HAS_DLSE: tl.constexpr):
+    """Store and return delta = rowsum(dO * O) - dlse of query rows [start_m, start_m + BLOCK_M),
+    given their dO tile."""
+    o_a, o_b = load_tile(out_base, start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     delta = tl.sum(o_a.to(tl.float32) * do_a.to(tl.float32), 1)
     if DIM_B > 0:
         delta += tl.sum(o_b.to(tl.float32) * do_b.to(tl.float32), 1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if HAS_DLSE:
-        dlse_base = tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         delta -= tl.load(dlse_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
     tl.store(delta_base + offs_m, delta, mask=offs_m < seqlen_q)
+    return delta
 
 
 @triton.jit
@@ -200,19 +213,22 @@ def _dq_key_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DO, Out, Lse, DLse, Delta, DQ, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
+    stride_ob, stride_oh, stride_om,
     stride_dqb, stride_dqh, stride_dqm,
     stride_stat_b, stride_stat_h,
     seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
+    """dQ of BLOCK_M query rows. COMPUTE_DELTA: compute and store their delta here (the preprocess
+    kernel's work; dense calls only, since every query row then has a program) instead of reading it."""
     start_m = query_tile_start(BLOCK_M, IS_CAUSAL)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -234,7 +250,12 @@ def _attn_bwd_dq_kernel(
     lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
     delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
     lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E_CONST
-    delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
+    if COMPUTE_DELTA:
+        delta = _store_row_delta(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), do_a, do_b,
+                                 tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), delta_base,
+                                 start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, HAS_DLSE)
+    else:
+        delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     num_kv_heads = tl.num_programs(1) // GROUP_SIZE
@@ -287,20 +308,37 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, IS_CAUSAL=causal, PRECISION=precision_mode(q.dtype, interpreted))
     scales = (softmax_scale, softmax_scale * LOG2E)
 
-    pre_block = 64 if not interpreted else 32
-    wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(seqlen_q, pre_block), num_heads, layout.batch)](
-        out, dout, dlse.contiguous() if dlse is not None else delta, delta, cu_seqlens_q,
-        *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), seqlen_q,
-        BLOCK_M=pre_block, HAS_DLSE=dlse is not None, **common,
-    )
-
-    # (the dK/dV kernel has no warp-specialised loop: Triton 3.6 fails on it, benchmarks/NOTES.md v6)
-    dkdv_config, _, dkdv_tma = launch_plan("bwd_dkdv", head_dim, q.dtype, causal, layout, interpreted,
-                                           lambda config: False, q, k, v, dout)
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
+    # (the dK/dV kernel has no warp-specialised loop, nor table entry: Triton 3.6 fails on it, NOTES v6)
+    dkdv_config, _, dkdv_tma = launch_plan("bwd_dkdv", head_dim, q.dtype, causal, layout, interpreted, q, k, v, dout)
     dq_config, dq_specialized, dq_tma = launch_plan("bwd_dq", head_dim, q.dtype, causal, layout, interpreted,
-                                                    lambda config: seqlen_k % config.block_n == 0, q, k, v, dout)
+                                                    q, k, v, dout)
     if (dkdv_tma or dq_tma) and not interpreted:
         ensure_scratch_allocator()
+    # A plain dense dQ kernel computes delta itself and runs first, saving the preprocess launch
+    # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
+    # that behind the extra prologue (benchmarks/NOTES.md, v7 and v8).
+    delta_in_dq = not dq_specialized and not layout.is_varlen
+
+    def launch_dq():
+        wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, dq_config.block_m), num_heads, layout.batch)](
+            q, k, v, dout, out, lse, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
+            *layout.strides(dq), *layout.stat_strides(delta), seqlen_q, seqlen_k, *scales, **common, **matmul,
+            USE_TMA=dq_tma, WARP_SPECIALIZE=dq_specialized, COMPUTE_DELTA=delta_in_dq, HAS_DLSE=has_dlse,
+            **dq_config.launch_args(),
+        )
+
+    if delta_in_dq:
+        launch_dq()
+    else:
+        pre_block = 64 if not interpreted else 32
+        wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(seqlen_q, pre_block), num_heads, layout.batch)](
+            out, dout, dlse, delta, cu_seqlens_q,
+            *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), seqlen_q,
+            BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
+        )
 
     wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, dkdv_config.block_n), num_heads_kv, layout.batch)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -309,11 +347,6 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         seqlen_q, seqlen_k, *scales, **common, **matmul,
         USE_TMA=dkdv_tma, **dkdv_config.launch_args(),
     )
-
-    wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, dq_config.block_m), num_heads, layout.batch)](
-        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
-        *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(dq),
-        *layout.stat_strides(delta), seqlen_q, seqlen_k, *scales, **common, **matmul,
-        USE_TMA=dq_tma, WARP_SPECIALIZE=dq_specialized, **dq_config.launch_args(),
-    )
+    if not delta_in_dq:
+        launch_dq()
     return dq, dk, dv

@@ -169,8 +169,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config, specialized, tma = launch_plan("fwd", head_dim, q.dtype, causal, layout, interpreted,
-                                           lambda config: layout.seqlen_k % config.block_n == 0, q, k, v)
+    config, specialized, tma = launch_plan("fwd", head_dim, q.dtype, causal, layout, interpreted, q, k, v)
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
     if tma and not interpreted:

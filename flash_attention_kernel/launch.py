@@ -4,7 +4,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -12,7 +12,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
 
-from .configs import TileConfig, head_dim_chunks, tile_config, warp_specialized_config
+from .configs import head_dim_chunks, tile_config, warp_specialized_config
 
 LOG2E = math.log2(math.e)
 
@@ -58,13 +58,15 @@ WARP_SPECIALIZATION_CHECKED = ("3.6.",)
 
 
 def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, layout: "SequenceLayout",
-                interpreted: bool, tiles_full: Callable[[TileConfig], bool], *tensors: torch.Tensor):
+                interpreted: bool, *tensors: torch.Tensor):
     """(tile config, warp-specialised?, tensor descriptors?) for one launch of ``kernel``: the
-    table's warp-specialised entry where the call can take it (``warp_specialize``; ``tiles_full``
-    says whether the loop's tiles are all full at that entry's tile sizes), else its plain entry."""
+    table's warp-specialised entry where the call can take it (``warp_specialize``), else its
+    plain entry. The warp-specialised kernels (forward, dQ) loop over key tiles, which are all full
+    when seqlen_k is a multiple of BLOCK_N."""
     seqlen = max(layout.seqlen_q, layout.seqlen_k)
     config = warp_specialized_config(kernel, head_dim, dtype, interpreted, causal, seqlen)
-    if config is not None and warp_specialize(tiles_full(config), interpreted, causal, layout, head_dim, *tensors):
+    if config is not None and warp_specialize(layout.seqlen_k % config.block_n == 0, interpreted, causal, layout,
+                                              head_dim, *tensors):
         return config, True, True
     config = tile_config(kernel, head_dim, dtype, interpreted, causal, seqlen)
     [tma] = use_tma([config.tma], interpreted, *tensors)

@@ -28,12 +28,11 @@ def _descriptors_possible():
 
 
 def _specialized(fa, q, k, v, causal=False, layout=None, kernel="fwd"):
-    """Whether ``kernel`` runs warp-specialised on these inputs (the launchers' rule: the forward
-    and dQ kernels loop over key tiles, which must all be full)."""
+    """Whether ``kernel`` runs warp-specialised on these inputs (launch.launch_plan, as the
+    launchers call it)."""
     launch = fa.flash_attention_kernel.launch
     layout = layout or launch.SequenceLayout.of(q, k)
-    full = lambda config: layout.seqlen_k % config.block_n == 0  # noqa: E731
-    return launch.launch_plan(kernel, q.shape[-1], q.dtype, causal, layout, not ON_GPU, full, q, k, v)[1]
+    return launch.launch_plan(kernel, q.shape[-1], q.dtype, causal, layout, not ON_GPU, q, k, v)[1]
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):
