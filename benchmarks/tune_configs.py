@@ -6,7 +6,7 @@ on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default
 (batch, heads, seqlen, dim) as the benchmark passes them, or --layout bshd), checks that each
 candidate computes what the current table entry computes, and reports the fastest next to the
 current entry. The forward is timed alone; each backward kernel is timed through the whole
-backward with the other kernel at its current config (the preprocess pass is common to all
+backward with the other kernel at its current config (computing delta is common to all
 candidates). Run it with --seqlen 1024 / 2048 for the short-sequence entries (configs.SEQLEN_BUCKETS).
 
 With --warp-specialized it tunes the warp-specialised entries instead (configs._GPU_WARP_SPECIALIZED:

@@ -6,7 +6,8 @@ torch-ext/flash_attention registers these launchers as torch ops). Layouts: dens
 strides whose last dim is contiguous.
 
 * forward.py: FlashAttention-2 forward (online softmax), returns out and the natural-log logsumexp.
-* backward.py: preprocess + dK/dV + dQ kernels, no atomics, GQA reduced inside the dK/dV kernel.
+* backward.py: dQ + dK/dV kernels (delta from the dQ kernel or a preprocess kernel), no atomics,
+  GQA reduced inside the dK/dV kernel.
 * tiles.py: tile loads/stores with 64-bit offsets, sequence spans (dense or varlen), the
   causal/sequence-end masks and tile ranges, and the mma/rounding helpers.
 * launch.py: host-side helpers (sequence layout, strides, precision mode).
