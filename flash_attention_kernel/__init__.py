@@ -5,18 +5,25 @@ torch-ext/flash_attention registers these launchers as torch ops). Layouts: dens
 (batch, seqlen, heads, head_dim) or varlen (total_tokens, heads, head_dim) with cu_seqlens, any
 strides whose last dim is contiguous.
 
+* options.py: AttentionOptions, every option beyond the inputs (scale, causal, window, softcap,
+  ALiBi, sinks, dropout) as one object, and what the launchers derive from it.
+* scores.py: the one place where scores become logits: softcap, ALiBi, window/causal masks,
+  dropout's keep mask, and which tiles a program visits.
 * forward.py: FlashAttention-2 forward (online softmax), returns out and the natural-log logsumexp.
 * backward.py: dQ + dK/dV kernels (delta from the dQ kernel or a preprocess kernel), no atomics,
-  GQA reduced inside the dK/dV kernel.
-* tiles.py: tile loads/stores with 64-bit offsets, sequence spans (dense or varlen), the
-  causal/sequence-end masks and tile ranges, and the mma/rounding helpers.
-* launch.py: host-side helpers (sequence layout, strides, precision mode).
-* configs.py: the fixed table of tile sizes per head dim and dtype.
+  GQA reduced inside the dK/dV kernel; the sinks' gradient.
+* probabilities.py: the attention probabilities with the dropout mask (return_attn_probs).
+* tiles.py: tile loads/stores with 64-bit offsets, sequence spans (dense or varlen) and the
+  mma/rounding helpers.
+* launch.py: host-side helpers (sequence layout, strides, precision mode, launch plan).
+* configs.py: the fixed table of tile sizes per head dim, mask kind and dtype.
 """
 
 from .backward import attention_backward
 from .forward import _attn_fwd_kernel, attention_forward
 from .launch import is_interpreted
+from .options import AttentionOptions, draw_rng_state
+from .probabilities import attention_probabilities
 
 
 def interpreter_active() -> bool:
@@ -24,4 +31,5 @@ def interpreter_active() -> bool:
     return is_interpreted(_attn_fwd_kernel)
 
 
-__all__ = ["attention_forward", "attention_backward", "interpreter_active"]
+__all__ = ["AttentionOptions", "attention_backward", "attention_forward", "attention_probabilities",
+           "draw_rng_state", "interpreter_active"]

@@ -1,14 +1,17 @@
 """Backward pass: two or three kernels, no atomics, so every gradient is bitwise repeatable.
 
-With S = softmax_scale * Q K^T, P = exp(S - lse) (recomputed from the forward's logsumexp) and
-dO the output gradient, the gradients are
+With S the logits of ``scores.logits`` (softmax_scale * Q K^T, capped, biased, masked),
+P = exp(S - lse) (recomputed from the forward's logsumexp, which includes a sink's term), Z the
+dropout keep mask scaled by 1 / (1 - p) (all ones without dropout) and dO the output gradient,
+the gradients are
 
     delta = rowsum(dO * O) - dlse                  (dlse = grad of the lse output)
-    dV    = P^T dO
-    dP    = dO V^T
-    dS    = P * (dP - delta)
+    dV    = (P * Z)^T dO
+    dP    = (dO V^T) * Z
+    dS    = P * (dP - delta) * tanh'               (tanh' = 1 - tanh^2 of the softcap, else 1)
     dK    = softmax_scale * dS^T Q
     dQ    = softmax_scale * dS K
+    dsink = -sum over rows of exp(sink - lse) * delta     (attention sinks; a torch reduction)
 
 * delta comes first: from the dQ kernel's prologue, which then runs before the dK/dV kernel, or,
   where that prologue would slow the dQ kernel down (warp-specialised or varlen), from
@@ -20,8 +23,8 @@ dO the output gradient, the gradients are
   forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).
 
 Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit
-only the tiles the causal mask leaves visible and mask only tiles that cross
-the diagonal or the sequence ends. Rows with lse = +inf (no visible key) get P = 0 and therefore
+only the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /
+``scores.query_tile_ranges``) and mask only tiles that cross a band edge or a sequence end. Rows with lse = +inf (no visible key) get P = 0 and therefore
 zero gradients; query rows past the sequence end read lse = +inf and contribute nothing.
 """
 
@@ -31,12 +34,17 @@ import triton.language as tl
 
 from .configs import head_dim_chunks
 from .launch import (
-    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
+    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
     precision_mode,
 )
+from .options import LOG2E, AttentionOptions
+from .scores import (
+    DROPOUT, MASK_LEFT, MASK_RIGHT, dropout_keep, head_options, key_tile_ranges, logits, logits_grad,
+    query_tile_ranges, query_tile_start,
+)
 from .tiles import (
-    key_tile_range, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, query_tile_range,
-    query_tile_start, round_to, sequence_span, slice_descriptors, store_tile, tile_base, tile_descriptors, visible,
+    load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
+    slice_descriptors, store_tile, tile_base, tile_descriptors,
 )
 
 LOG2E_CONST = tl.constexpr(LOG2E)
@@ -87,9 +95,9 @@ def _store_row_delta(out_base, do_a, do_b, dlse_base, delta_base, start_m, strid
 def _dkdv_query_loop(
     dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b,
     q_base, do_base, q_descs, do_descs, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, q_start, q_end, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
+    offs_n, q_start, q_end, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
     (rows = keys) so that every product lands directly in the key tile's accumulators."""
@@ -97,17 +105,22 @@ def _dkdv_query_loop(
         q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM,
                                   DIM_A, DIM_B, MASKED, USE_TMA)
         lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E_CONST
-        scores_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION) * qk_scale_log2
-        p_t = tl.exp2(scores_t - lse_log2[None, :])
-        if MASKED:
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], seqlen_k, causal_offset, IS_CAUSAL), p_t, 0.0)
+        offs_m = (start_m + tl.arange(0, BLOCK_M))[None, :]
+        qk_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION)
+        s_t, capped_t = logits(qk_t, offs_m, offs_n[:, None], seqlen_k, diag, window, score, MASKED, VARIANT)
+        p_t = tl.exp2(s_t - lse_log2[None, :])
         do_a, do_b = load_tile_from(do_descs, do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM,
-                                  DIM_A, DIM_B, MASKED, USE_TMA)
-        dv_a, dv_b = mma_into_head(p_t, do_a, do_b, dv_a, dv_b, DIM_B, PRECISION)
-        delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
+                                    DIM_A, DIM_B, MASKED, USE_TMA)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
+        if DROPOUT & VARIANT:
+            keep_t = dropout_keep(offs_m, offs_n[:, None], dropout)
+            dv_a, dv_b = mma_into_head(tl.where(keep_t, p_t * dropout_scale, 0.0), do_a, do_b, dv_a, dv_b, DIM_B,
+                                       PRECISION)
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        else:
+            dv_a, dv_b = mma_into_head(p_t, do_a, do_b, dv_a, dv_b, DIM_B, PRECISION)
+        delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
+        ds_t = logits_grad(p_t * (dp_t - delta[None, :]), capped_t, VARIANT)
         dk_a, dk_b = mma_into_head(ds_t, q_a, q_b, dk_a, dk_b, DIM_B, PRECISION)
     return dk_a, dk_b, dv_a, dv_b
 
@@ -122,21 +135,24 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_stat_b, stride_stat_h,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+    seqlen_q, seqlen_k, softmax_scale,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
+    max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     if start_n >= seqlen_k:  # varlen: the grid covers the longest sequence
         return
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
-    causal_offset = seqlen_k - seqlen_q
+    diag = seqlen_k - seqlen_q
+    window = (window_left, window_right)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_n = start_n + tl.arange(0, BLOCK_N)
 
     k_a, k_b = load_tile(tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn), start_n,
@@ -147,33 +163,37 @@ def _attn_bwd_dkdv_kernel(
     dv_a = tl.zeros([BLOCK_N, DIM_A], dtype=tl.float32)
     dk_b = tl.zeros([BLOCK_N, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     dv_b = tl.zeros([BLOCK_N, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
-    q_start, q_diag, q_tail = query_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, full_lo, full_hi, hi = query_tile_ranges(start_n, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
 
     for group_member in range(GROUP_SIZE):
         head = kv_head * GROUP_SIZE + group_member
+        score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
+                                         dropout_threshold, batch, head, tl.num_programs(1) * GROUP_SIZE,
+                                         max_seqlen_q, max_seqlen_k, VARIANT)
         q_base = tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm)
         do_base = tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom)
         lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
         do_descs = tile_descriptors(do_base, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
+        if MASK_RIGHT & VARIANT:  # query tiles crossing the causal diagonal / the window's right edge
+            dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
+                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base,
+                delta_base, stride_qm, stride_dom,
+                offs_n, lo, full_lo, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
+                BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
+            )
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
             dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
             stride_qm, stride_dom,
-            offs_n, q_start, q_diag, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
+            offs_n, full_lo, full_hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA,
         )
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
             dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
             stride_qm, stride_dom,
-            offs_n, q_diag, q_tail, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA,
-        )
-        dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
-            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
-            stride_qm, stride_dom,
-            offs_n, q_tail, seqlen_q, seqlen_q, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA,
+            offs_n, full_hi, hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
+            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
         )
 
     store_tile(tile_base(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn), dk_a * softmax_scale,
@@ -186,9 +206,9 @@ def _attn_bwd_dkdv_kernel(
 def _dq_key_loop(
     dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-    offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+    offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout, dropout_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
@@ -198,12 +218,14 @@ def _dq_key_loop(
                                   MASKED, USE_TMA)
         v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                   MASKED, USE_TMA)
-        scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
-        p = tl.exp2(scores - lse_log2[:, None])
-        if MASKED:
-            p = tl.where(visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL), p, 0.0)
+        cols = (start_n + offs_n)[None, :]
+        qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
+        s, capped = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
+        p = tl.exp2(s - lse_log2[:, None])
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
-        ds = p * (dp - delta[:, None])
+        if DROPOUT & VARIANT:
+            dp = tl.where(dropout_keep(offs_m[:, None], cols, dropout), dp * dropout_scale, 0.0)
+        ds = logits_grad(p * (dp - delta[:, None]), capped, VARIANT)
         if DIM_B > 0:
             dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
         else:  # dq_b must not be a loop variable here: warp specialisation fails on one left unchanged
@@ -221,26 +243,32 @@ def _attn_bwd_dq_kernel(
     stride_ob, stride_oh, stride_om,
     stride_dqb, stride_dqh, stride_dqm,
     stride_stat_b, stride_stat_h,
-    seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+    seqlen_q, seqlen_k, softmax_scale,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     """dQ of BLOCK_M query rows. COMPUTE_DELTA: compute and store their delta here (the preprocess
     kernel's work; dense calls only, since every query row then has a program) instead of reading it."""
-    start_m = query_tile_start(BLOCK_M, IS_CAUSAL)
+    start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
+    max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
-    causal_offset = seqlen_k - seqlen_q
+    diag = seqlen_k - seqlen_q
+    window = (window_left, window_right)
+    score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
+                                     dropout_threshold, batch, head, tl.num_programs(1), max_seqlen_q, max_seqlen_k,
+                                     VARIANT)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
     q_a, q_b = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
@@ -263,29 +291,36 @@ def _attn_bwd_dq_kernel(
                                 BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
     v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
                                 BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
-    kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, full_lo, full_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
 
     dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
+    if MASK_LEFT & VARIANT:  # key tiles crossing the window's left edge
+        dq_a, dq_b = _dq_key_loop(
+            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout, dropout_scale,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+        )
     dq_a, dq_b = _dq_key_loop(
         dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-        offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA, WARP_SPECIALIZE,
+        offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout, dropout_scale,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
         dq_a, dq_b = _dq_key_loop(
             dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-            offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA, False,
+            offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout, dropout_scale,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
     store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq_a * softmax_scale,
                dq_b * softmax_scale, start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
 
 
-def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dlse=None,
-                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                       grads=None, wrap_kernel=identity_wrap):
-    """Gradients (dq, dk, dv) of ``attention_forward``; same layouts and conventions.
+def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=None, cu_seqlens_q=None,
+                       cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, grads=None,
+                       wrap_kernel=identity_wrap):
+    """Gradients (dq, dk, dv, dsinks) of ``attention_forward``; same layouts and conventions.
+    dsinks is None without sinks.
 
     ``dlse`` is the gradient flowing into the logsumexp output, or None when it is unused.
     ``grads``, if given, is (dq, dk, dv) to write into (e.g. views of one packed qkv gradient,
@@ -295,24 +330,25 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     lse = lse.contiguous()
     layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    has_dlse = dlse is not None
     if q.numel() == 0 or k.numel() == 0:  # nothing attends or nothing to attend to
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        delta = -dlse if has_dlse else torch.zeros_like(lse)  # (O = 0)
+        return dq.zero_(), dk.zero_(), dv.zero_(), _sink_grad(options, lse, delta)
     num_heads, head_dim = q.shape[-2:]
     num_heads_kv = k.shape[-2]
     delta = layout.new_row_stats(q)
-    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
     common = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, IS_VARLEN=layout.is_varlen)
-    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, IS_CAUSAL=causal, PRECISION=precision_mode(q.dtype, interpreted))
-    scales = (softmax_scale, softmax_scale * LOG2E)
+    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, VARIANT=options.variant,
+                  PRECISION=precision_mode(q.dtype, interpreted))
+    option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
 
-    has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
     # (the dK/dV kernel has no warp-specialised loop, nor table entry: Triton 3.6 fails on it, NOTES v6)
-    dkdv_config, _, dkdv_tma = launch_plan("bwd_dkdv", head_dim, q.dtype, causal, layout, interpreted, q, k, v, dout)
-    dq_config, dq_specialized, dq_tma = launch_plan("bwd_dq", head_dim, q.dtype, causal, layout, interpreted,
+    dkdv_config, _, dkdv_tma = launch_plan("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
+    dq_config, dq_specialized, dq_tma = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted,
                                                     q, k, v, dout)
     if (dkdv_tma or dq_tma) and not interpreted:
         ensure_scratch_allocator()
@@ -322,10 +358,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     delta_in_dq = not dq_specialized and not layout.is_varlen
 
     def launch_dq():
-        wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(seqlen_q, dq_config.block_m), num_heads, layout.batch)](
-            q, k, v, dout, out, lse, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, dq_config.block_m), num_heads, layout.batch)](
+            q, k, v, dout, out, lse, dlse, delta, dq, *layout.cu_seqlens(),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
-            *layout.strides(dq), *layout.stat_strides(delta), seqlen_q, seqlen_k, *scales, **common, **matmul,
+            *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
             USE_TMA=dq_tma, WARP_SPECIALIZE=dq_specialized, COMPUTE_DELTA=delta_in_dq, HAS_DLSE=has_dlse,
             **dq_config.launch_args(),
         )
@@ -334,19 +370,33 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
         launch_dq()
     else:
         pre_block = 64 if not interpreted else 32
-        wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(seqlen_q, pre_block), num_heads, layout.batch)](
-            out, dout, dlse, delta, cu_seqlens_q,
-            *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), seqlen_q,
+        wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
+            out, dout, dlse, delta, layout.cu_seqlens_q,
+            *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
 
-    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(seqlen_k, dkdv_config.block_n), num_heads_kv, layout.batch)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
+    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(layout.seqlen_k, dkdv_config.block_n), num_heads_kv, layout.batch)](
+        q, k, v, dout, lse, delta, dk, dv, *layout.cu_seqlens(),
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
         *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
-        seqlen_q, seqlen_k, *scales, **common, **matmul,
+        *option_args, **common, **matmul,
         USE_TMA=dkdv_tma, **dkdv_config.launch_args(),
     )
     if not delta_in_dq:
         launch_dq()
-    return dq, dk, dv
+    return dq, dk, dv, _sink_grad(options, lse, delta)
+
+
+def _sink_grad(options: AttentionOptions, lse, delta):
+    """d loss / d sink of each head: -sum over rows of P_sink * delta, with P_sink = exp(sink - lse)
+    (0 on rows with lse = +inf). A fixed-shape torch reduction, so bitwise repeatable."""
+    if options.sinks is None:
+        return None
+    heads_axis = 0 if lse.dim() == 2 else 1  # varlen (heads, total_q), dense (batch, heads, seqlen_q)
+    shape = [1] * lse.dim()
+    shape[heads_axis] = -1
+    sink = options.sinks.float().view(shape)
+    terms = torch.exp(sink - lse) * delta
+    other_axes = [axis for axis in range(lse.dim()) if axis != heads_axis]
+    return (-terms.sum(dim=other_axes)).to(options.sinks.dtype)

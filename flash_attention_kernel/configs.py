@@ -1,10 +1,11 @@
 """Launch configurations: tile sizes, warps and pipeline stages for each kernel.
 
 Configs are picked from a small fixed table keyed by the head-dim width the kernels compute
-(the padded head dim, or the sum of its two chunks where one exists), the causal flag, a
-sequence-length bucket (SEQLEN_BUCKETS) and the element size;
+(the padded head dim, or the sum of its two chunks where one exists), the kind of masking
+("none", "causal" or "window"), a sequence-length bucket (SEQLEN_BUCKETS) and the element size;
 there is no run-time autotuning, so a new shape never pays for a tuning sweep and a new sequence
-length never recompiles (sequence lengths are plain runtime integers in every kernel).
+length never recompiles (sequence lengths are plain runtime integers in every kernel). The tuner
+replaces an entry for a whole run through ``set_override``.
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) the kernels run with small, deliberately unequal tiles
 (BLOCK_M != BLOCK_N) so that the small test sequences still cross several tiles, partial tiles and
@@ -65,55 +66,59 @@ _INTERPRETER = {
 # such bucket first), and _GPU's otherwise.
 SEQLEN_BUCKETS = (1024, 2048)
 
-# GPU table for 2-byte inputs: (kernel, computed head-dim width, causal) -> config, tuned by
+# Masks without entries of their own take another mask's: windows mask on both sides of the
+# band, as causal calls mask the diagonal.
+_FALLBACK_MASK = {"window": "causal"}
+
+# GPU table for 2-byte inputs: (kernel, computed head-dim width, mask) -> config, tuned by
 # benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16; see
 # benchmarks/NOTES.md, v2 to v4). tma=True reads the tiles through tensor descriptors where the GPU
 # and the inputs allow it (launch.use_tma), plain loads elsewhere, e.g. on Ampere. Widths of two
 # chunks (80, 96, 160, 192, ...) take the padded power of two's entry where they have none.
 _GPU = {
-    ("fwd", 16, False): TileConfig(64, 64, 4, 3),
-    ("fwd", 16, True): TileConfig(64, 64, 4, 3),
-    ("fwd", 32, False): TileConfig(64, 64, 4, 3),
-    ("fwd", 32, True): TileConfig(64, 64, 4, 3),
-    ("fwd", 64, False): TileConfig(128, 64, 8, 3),
-    ("fwd", 64, True): TileConfig(128, 64, 8, 3),
-    ("fwd", 128, False): TileConfig(128, 128, 8, 3, tma=True),
-    ("fwd", 128, True): TileConfig(128, 128, 8, 3),
-    ("fwd", 256, False): TileConfig(128, 64, 8, 2),
-    ("fwd", 256, True): TileConfig(128, 64, 8, 2),
-    ("fwd", 80, False): TileConfig(128, 64, 8, 3, tma=True),
-    ("fwd", 80, True): TileConfig(128, 64, 4, 3),
-    ("fwd", 96, False): TileConfig(128, 64, 8, 3, tma=True),
-    ("fwd", 96, True): TileConfig(128, 64, 4, 3, tma=True),
-    ("fwd", 192, False): TileConfig(128, 64, 8, 3),
-    ("fwd", 192, True): TileConfig(128, 64, 8, 3),
-    ("bwd_dkdv", 16, False): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 16, True): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 32, False): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 32, True): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 64, False): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 64, True): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 128, False): TileConfig(64, 64, 4, 2, tma=True),
-    ("bwd_dkdv", 128, True): TileConfig(64, 128, 8, 3, tma=True),
-    ("bwd_dkdv", 256, False): TileConfig(64, 64, 8, 2),
-    ("bwd_dkdv", 256, True): TileConfig(64, 64, 8, 2),
-    ("bwd_dkdv", 80, False): TileConfig(64, 64, 4, 2, tma=True),
-    ("bwd_dkdv", 80, True): TileConfig(64, 64, 4, 2, tma=True),
-    ("bwd_dkdv", 96, True): TileConfig(64, 64, 4, 3, tma=True),
-    ("bwd_dkdv", 192, False): TileConfig(32, 128, 8, 3),
-    ("bwd_dkdv", 192, True): TileConfig(32, 128, 8, 3),
-    ("bwd_dq", 16, False): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 16, True): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 32, False): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 32, True): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 64, False): TileConfig(128, 64, 8, 3),
-    ("bwd_dq", 64, True): TileConfig(128, 64, 8, 3),
-    ("bwd_dq", 128, False): TileConfig(128, 32, 8, 3),
-    ("bwd_dq", 128, True): TileConfig(128, 64, 8, 3),
-    ("bwd_dq", 256, False): TileConfig(128, 32, 8, 3),
-    ("bwd_dq", 256, True): TileConfig(128, 32, 8, 3),
-    ("bwd_dq", 80, True): TileConfig(128, 32, 4, 3),
-    ("bwd_dq", 96, True): TileConfig(128, 32, 8, 3),
+    ("fwd", 16, "none"): TileConfig(64, 64, 4, 3),
+    ("fwd", 16, "causal"): TileConfig(64, 64, 4, 3),
+    ("fwd", 32, "none"): TileConfig(64, 64, 4, 3),
+    ("fwd", 32, "causal"): TileConfig(64, 64, 4, 3),
+    ("fwd", 64, "none"): TileConfig(128, 64, 8, 3),
+    ("fwd", 64, "causal"): TileConfig(128, 64, 8, 3),
+    ("fwd", 128, "none"): TileConfig(128, 128, 8, 3, tma=True),
+    ("fwd", 128, "causal"): TileConfig(128, 128, 8, 3),
+    ("fwd", 256, "none"): TileConfig(128, 64, 8, 2),
+    ("fwd", 256, "causal"): TileConfig(128, 64, 8, 2),
+    ("fwd", 80, "none"): TileConfig(128, 64, 8, 3, tma=True),
+    ("fwd", 80, "causal"): TileConfig(128, 64, 4, 3),
+    ("fwd", 96, "none"): TileConfig(128, 64, 8, 3, tma=True),
+    ("fwd", 96, "causal"): TileConfig(128, 64, 4, 3, tma=True),
+    ("fwd", 192, "none"): TileConfig(128, 64, 8, 3),
+    ("fwd", 192, "causal"): TileConfig(128, 64, 8, 3),
+    ("bwd_dkdv", 16, "none"): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 16, "causal"): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 32, "none"): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 32, "causal"): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 64, "none"): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 64, "causal"): TileConfig(64, 64, 4, 2),
+    ("bwd_dkdv", 128, "none"): TileConfig(64, 64, 4, 2, tma=True),
+    ("bwd_dkdv", 128, "causal"): TileConfig(64, 128, 8, 3, tma=True),
+    ("bwd_dkdv", 256, "none"): TileConfig(64, 64, 8, 2),
+    ("bwd_dkdv", 256, "causal"): TileConfig(64, 64, 8, 2),
+    ("bwd_dkdv", 80, "none"): TileConfig(64, 64, 4, 2, tma=True),
+    ("bwd_dkdv", 80, "causal"): TileConfig(64, 64, 4, 2, tma=True),
+    ("bwd_dkdv", 96, "causal"): TileConfig(64, 64, 4, 3, tma=True),
+    ("bwd_dkdv", 192, "none"): TileConfig(32, 128, 8, 3),
+    ("bwd_dkdv", 192, "causal"): TileConfig(32, 128, 8, 3),
+    ("bwd_dq", 16, "none"): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 16, "causal"): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 32, "none"): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 32, "causal"): TileConfig(64, 64, 4, 3),
+    ("bwd_dq", 64, "none"): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 64, "causal"): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 128, "none"): TileConfig(128, 32, 8, 3),
+    ("bwd_dq", 128, "causal"): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 256, "none"): TileConfig(128, 32, 8, 3),
+    ("bwd_dq", 256, "causal"): TileConfig(128, 32, 8, 3),
+    ("bwd_dq", 80, "causal"): TileConfig(128, 32, 4, 3),
+    ("bwd_dq", 96, "causal"): TileConfig(128, 32, 8, 3),
 }
 
 # Entries that beat _GPU's on short sequences, per bucket (tuned with --seqlen 1024 / 2048; at
@@ -121,28 +126,28 @@ _GPU = {
 # on and the smaller ones below (benchmarks/NOTES.md, v8).
 _GPU_SHORT = {
     1024: {
-        ("fwd", 64, True): TileConfig(64, 64, 4, 3),
-        ("fwd", 128, False): TileConfig(128, 32, 8, 3),
-        ("fwd", 128, True): TileConfig(64, 64, 4, 3),
-        ("bwd_dkdv", 128, True): TileConfig(32, 64, 4, 2),
+        ("fwd", 64, "causal"): TileConfig(64, 64, 4, 3),
+        ("fwd", 128, "none"): TileConfig(128, 32, 8, 3),
+        ("fwd", 128, "causal"): TileConfig(64, 64, 4, 3),
+        ("bwd_dkdv", 128, "causal"): TileConfig(32, 64, 4, 2),
     },
     2048: {
-        ("fwd", 128, False): TileConfig(64, 64, 4, 3, tma=True),
-        ("bwd_dkdv", 128, True): TileConfig(32, 64, 4, 2),
+        ("fwd", 128, "none"): TileConfig(64, 64, 4, 3, tma=True),
+        ("bwd_dkdv", 128, "causal"): TileConfig(32, 64, 4, 2),
     },
 }
 
-# Warp-specialised entries, (kernel, width, causal) -> (config, shortest sequence it is used at):
+# Warp-specialised entries, (kernel, width, mask) -> (config, shortest sequence it is used at):
 # launch.warp_specialize decides whether a call can take one, the plain entries above serve every
 # other call. Only where they beat the plain loop on the H200 (benchmarks/NOTES.md, v6): the plain
 # loop is faster for the forward at widths 64, 80 and 96, for the dQ kernel below 4k rows, and for
 # the dK/dV kernel always (Triton 3.6 also fails to compile it and the dQ kernel warp-specialised
 # with 4 warps).
 _GPU_WARP_SPECIALIZED = {
-    ("fwd", 128, False): (TileConfig(128, 128, 4, 2, tma=True), 0),
-    ("fwd", 192, False): (TileConfig(128, 64, 4, 2, tma=True), 0),
-    ("fwd", 256, False): (TileConfig(128, 64, 4, 2, tma=True), 0),
-    ("bwd_dq", 128, False): (TileConfig(128, 128, 8, 2, tma=True), 4096),
+    ("fwd", 128, "none"): (TileConfig(128, 128, 4, 2, tma=True), 0),
+    ("fwd", 192, "none"): (TileConfig(128, 64, 4, 2, tma=True), 0),
+    ("fwd", 256, "none"): (TileConfig(128, 64, 4, 2, tma=True), 0),
+    ("bwd_dq", 128, "none"): (TileConfig(128, 128, 8, 2, tma=True), 4096),
 }
 
 # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
@@ -155,21 +160,41 @@ _GPU_FP32 = {
 _GPU_FP32_HEAD_DIM_256 = {**_GPU_FP32, "bwd_dkdv": TileConfig(16, 32, 8, 1), "bwd_dq": TileConfig(32, 16, 8, 1)}
 
 
-def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool = False,
+# The tuner's hook (benchmarks/tune_configs.py): kernel -> (config, warp-specialised?) that
+# replaces the table's choice for every launch of that kernel. Empty in normal use.
+OVERRIDES: dict = {}
+
+
+def set_override(kernel: str, config: Optional[TileConfig], warp_specialized: bool = False) -> None:
+    """Make every launch of ``kernel`` use ``config`` (None: the table again), as its
+    warp-specialised entry or as its plain one with warp specialisation off."""
+    if config is None:
+        OVERRIDES.pop(kernel, None)
+    else:
+        OVERRIDES[kernel] = (config, warp_specialized)
+
+
+def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str = "none",
                 seqlen: int = 0) -> TileConfig:
-    """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``, for a causal or
-    non-causal problem whose longest sequence has ``seqlen`` rows."""
+    """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``, for a problem with
+    ``mask`` ("none", "causal" or "window": options.AttentionOptions.mask_kind) whose longest
+    sequence has ``seqlen`` rows."""
+    if kernel in OVERRIDES and not OVERRIDES[kernel][1]:
+        return OVERRIDES[kernel][0]
     # int/bool: under torch.compile's dynamic shapes these may be symbolic (then specialised here)
     bucket = next((bucket for bucket in SEQLEN_BUCKETS if bool(seqlen <= bucket)), None)
-    return _table_entry(kernel, int(head_dim), dtype, interpreted, bool(causal), bucket)
+    return _table_entry(kernel, int(head_dim), dtype, interpreted, mask, bucket)
 
 
-def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool,
+def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str,
                             seqlen: int) -> Optional[TileConfig]:
     """The table's warp-specialised config for ``kernel`` on a problem whose longest sequence has
     ``seqlen`` rows, or None where it has none. Under the interpreter the small test tiles stand in
     for it, at any length, so that the tests reach this path."""
-    entry = _warp_specialized_entry(kernel, int(head_dim), dtype, bool(causal))
+    if kernel in OVERRIDES:
+        config, warp_specialized = OVERRIDES[kernel]
+        return config if warp_specialized else None
+    entry = _warp_specialized_entry(kernel, int(head_dim), dtype, mask)
     if entry is None:
         return None
     config, shortest = entry
@@ -179,14 +204,14 @@ def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, inte
 
 
 @functools.lru_cache(maxsize=None)
-def _warp_specialized_entry(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool):
+def _warp_specialized_entry(kernel: str, head_dim: int, dtype: torch.dtype, mask: str):
     if dtype == torch.float32:
         return None
-    return _GPU_WARP_SPECIALIZED.get((kernel, sum(head_dim_chunks(head_dim)), causal))
+    return _GPU_WARP_SPECIALIZED.get((kernel, sum(head_dim_chunks(head_dim)), mask))
 
 
 @functools.lru_cache(maxsize=None)  # a lookup per launch: keep it off the host's critical path
-def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, causal: bool,
+def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str,
                  bucket: Optional[int]) -> TileConfig:
     if interpreted:
         return _INTERPRETER[kernel]
@@ -194,6 +219,9 @@ def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bo
     if dtype == torch.float32:
         return (_GPU_FP32_HEAD_DIM_256 if padded == 256 else _GPU_FP32)[kernel]
     width = sum(head_dim_chunks(head_dim))
-    if (kernel, width, causal) in _GPU_SHORT.get(bucket, {}):
-        return _GPU_SHORT[bucket][(kernel, width, causal)]
-    return _GPU.get((kernel, width, causal), _GPU[(kernel, padded, causal)])
+    for key_mask in dict.fromkeys((mask, _FALLBACK_MASK.get(mask, mask))):
+        if (kernel, width, key_mask) in _GPU_SHORT.get(bucket, {}):
+            return _GPU_SHORT[bucket][(kernel, width, key_mask)]
+        if (kernel, width, key_mask) in _GPU:
+            return _GPU[(kernel, width, key_mask)]
+    return _GPU[(kernel, padded, _FALLBACK_MASK.get(mask, mask))]

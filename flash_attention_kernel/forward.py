@@ -10,19 +10,22 @@ matching KV head in BLOCK_N tiles, never materialising the (seqlen_q, seqlen_k) 
     acc  = acc * alpha + P V_j
     O    = acc / l,        lse = (m + log2(l)) * ln(2)   natural-log logsumexp, as flash-attn returns
 
-Key tiles split in two loops. The first covers tiles every row of the block sees in full and runs
-without masks; the second covers the causal diagonal and the ragged sequence end with masks. With
-causal masking aligned bottom-right (row i sees keys j <= i + seqlen_k - seqlen_q), tiles above the
-diagonal are never visited.
+S comes from ``scores.logits``, which applies the options (softcap, ALiBi, the window and causal
+masks); with attention sinks the running max and sum start from the sink's logit instead of
+(-inf, 0), and with dropout P is masked after it enters the row sum, the 1 / (1 - p) scale joining
+the final 1 / l. Key tiles come in the three ranges of ``scores.key_tile_ranges``: tiles crossing
+the window's left edge (masked), tiles every row of the block sees in full (no mask), and tiles
+crossing the causal diagonal, the window's right edge or the ragged sequence end (masked); tiles
+outside the band are never visited.
 
 Dense and variable-length batches share the kernel: with IS_VARLEN a program reads its sequence's
 first row and length from cu_seqlens, and programs past the end of a shorter sequence exit at once
 (the grid is sized for the longest).
 
-A row that sees no key (bottom-right causal with seqlen_q > seqlen_k, or seqlen_k == 0) keeps
-m = -inf and l = 0. The masked loop then uses 0 as its exp2 pivot, so no (-inf) - (-inf) NaN
-appears, and the row ends with O = 0 and lse = +inf, which makes every backward probability
-exp(s - lse) exactly 0.
+A row that sees no key (bottom-right causal with seqlen_q > seqlen_k, a window, or
+seqlen_k == 0) keeps m = -inf and l = 0. The masked loops then use 0 as their exp2 pivot, so no
+(-inf) - (-inf) NaN appears, and the row ends with O = 0 and lse = +inf, which makes every
+backward probability exp(s - lse) exactly 0. With a sink such a row ends with O = 0, lse = sink.
 """
 
 import torch
@@ -31,42 +34,45 @@ import triton.language as tl
 
 from .configs import head_dim_chunks
 from .launch import (
-    LOG2E, SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
+    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
     precision_mode,
 )
-from .tiles import (
-    key_tile_range, load_tile_from, mma, mma_into_head, mma_over_head, query_tile_start, round_to, sequence_span,
-    slice_descriptors, store_tile, tile_base, visible,
+from .options import AttentionOptions
+from .scores import (
+    DROPOUT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logits, query_tile_start, row_start,
 )
+from .tiles import load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span, slice_descriptors, \
+    store_tile, tile_base
 
 LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _fwd_kv_loop(
+def _fwd_key_loop(
     acc_a, acc_b, row_sum, row_max, q_a, q_b,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-    offs_m, kv_start, kv_end, seqlen_k, causal_offset, qk_scale_log2,
+    offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                   MASKED, USE_TMA)
-        scores = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION) * qk_scale_log2
+        qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
+        cols = (start_n + offs_n)[None, :]
+        s, _ = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
+        new_max = tl.maximum(row_max, tl.max(s, 1))
         if MASKED:
-            mask = visible(offs_m[:, None], (start_n + offs_n)[None, :], seqlen_k, causal_offset, IS_CAUSAL)
-            scores = tl.where(mask, scores, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, 1))
             pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
         else:
-            new_max = tl.maximum(row_max, tl.max(scores, 1))
             pivot = new_max
-        p = tl.exp2(scores - pivot[:, None])
+        p = tl.exp2(s - pivot[:, None])
         alpha = tl.exp2(row_max - pivot)
         row_sum = row_sum * alpha + tl.sum(p, 1)
+        if DROPOUT & VARIANT:
+            p = tl.where(dropout_keep(offs_m[:, None], cols, dropout), p, 0.0)
         v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                   MASKED, USE_TMA)
         acc_a = acc_a * alpha[:, None]
@@ -87,23 +93,29 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k, qk_scale_log2,
+    seqlen_q, seqlen_k,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    start_m = query_tile_start(BLOCK_M, IS_CAUSAL)
+    start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
+    max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
-    causal_offset = seqlen_k - seqlen_q
-    qk_scale_log2 = tl.cast(qk_scale_log2, tl.float32)  # torch.compile passes Python floats as fp64
+    diag = seqlen_k - seqlen_q
+    window = (window_left, window_right)
+    score, dropout, sink_log2 = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
+                                             dropout_threshold, batch, head, tl.num_programs(1), max_seqlen_q,
+                                             max_seqlen_k, VARIANT)
 
     q_base = tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
@@ -119,25 +131,32 @@ def _attn_fwd_kernel(
     q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True,
                               USE_TMA)
 
-    kv_full, kv_end = key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, full_lo, full_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
+    row_max, row_sum = row_start(sink_log2, BLOCK_M, VARIANT)
+    if MASK_LEFT & VARIANT:  # tiles crossing the window's left edge
+        acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
+            acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+        )
+    acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
         acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-        offs_m, 0, kv_full, seqlen_k, causal_offset, qk_scale_log2,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, IS_CAUSAL, PRECISION, USE_TMA, WARP_SPECIALIZE,
+        offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
-        acc_a, acc_b, row_sum, row_max = _fwd_kv_loop(
+        acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
             acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-            offs_m, kv_full, kv_end, seqlen_k, causal_offset, qk_scale_log2,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, IS_CAUSAL, PRECISION, USE_TMA, False,
+            offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
 
     empty_row = row_sum == 0.0
     inv_sum = 1.0 / tl.where(empty_row, 1.0, row_sum)
+    if DROPOUT & VARIANT:
+        inv_sum = inv_sum * dropout_scale
     o_base = tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om)
     store_tile(o_base, acc_a * inv_sum[:, None], acc_b * inv_sum[:, None], start_m, stride_om, seqlen_q, BLOCK_M,
                HEAD_DIM, DIM_A, DIM_B, PRECISION)
@@ -146,9 +165,9 @@ def _attn_fwd_kernel(
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
 
-def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
+def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q: int = 0, max_seqlen_k: int = 0, wrap_kernel=identity_wrap):
-    """Attention forward, dense or variable-length.
+    """Attention forward, dense or variable-length, with ``options`` (options.AttentionOptions).
 
     Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); returns out like q and lse (B, Hq, Sq).
     Varlen (cu_seqlens_q/k given, int32 (B + 1,)): q (total_q, Hq, D), k and v (total_k, Hkv, D),
@@ -164,23 +183,32 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=
     lse = layout.new_row_stats(q)
     if out.numel() == 0:
         return out, lse
-    if k.numel() == 0:  # no keys: every row is empty
-        return out.zero_(), lse.fill_(float("inf"))
+    if k.numel() == 0:  # no keys: every row is empty (or sees its sink only)
+        return out.zero_(), _lse_without_keys(lse, options)
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config, specialized, tma = launch_plan("fwd", head_dim, q.dtype, causal, layout, interpreted, q, k, v)
+    config, specialized, tma = launch_plan("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)
     grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
-    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = layout.kernel_args()
     if tma and not interpreted:
         ensure_scratch_allocator()
     wrap_kernel(_attn_fwd_kernel)[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, *layout.cu_seqlens(),
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out), *layout.stat_strides(lse),
-        seqlen_q, seqlen_k, softmax_scale * LOG2E,
+        *layout.seqlens(), *options.kernel_args(q),
         GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
-        IS_CAUSAL=causal, IS_VARLEN=layout.is_varlen, PRECISION=precision_mode(q.dtype, interpreted),
+        VARIANT=options.variant, IS_VARLEN=layout.is_varlen, PRECISION=precision_mode(q.dtype, interpreted),
         USE_TMA=tma, WARP_SPECIALIZE=specialized,
         **config.launch_args(),
     )
     return out, lse
+
+
+def _lse_without_keys(lse, options: AttentionOptions):
+    """lse of rows that see no key: +inf, or the sink's logit."""
+    if options.sinks is None:
+        return lse.fill_(float("inf"))
+    heads_axis = 0 if lse.dim() == 2 else 1
+    shape = [1] * lse.dim()
+    shape[heads_axis] = -1
+    return lse.copy_(options.sinks.float().view(shape).expand_as(lse))

@@ -1,7 +1,6 @@
 """Host-side helpers shared by the kernel launchers."""
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -13,8 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import head_dim_chunks, tile_config, warp_specialized_config
-
-LOG2E = math.log2(math.e)
+from .options import AttentionOptions
 
 
 def identity_wrap(kernel):
@@ -57,39 +55,40 @@ def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
 WARP_SPECIALIZATION_CHECKED = ("3.6.",)
 
 
-def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, layout: "SequenceLayout",
+def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: AttentionOptions, layout: "SequenceLayout",
                 interpreted: bool, *tensors: torch.Tensor):
     """(tile config, warp-specialised?, tensor descriptors?) for one launch of ``kernel``: the
     table's warp-specialised entry where the call can take it (``warp_specialize``), else its
     plain entry. The warp-specialised kernels (forward, dQ) loop over key tiles, which are all full
     when seqlen_k is a multiple of BLOCK_N."""
     seqlen = max(layout.seqlen_q, layout.seqlen_k)
-    config = warp_specialized_config(kernel, head_dim, dtype, interpreted, causal, seqlen)
-    if config is not None and warp_specialize(layout.seqlen_k % config.block_n == 0, interpreted, causal, layout,
+    mask = options.mask_kind
+    config = warp_specialized_config(kernel, head_dim, dtype, interpreted, mask, seqlen)
+    if config is not None and warp_specialize(layout.seqlen_k % config.block_n == 0, interpreted, options, layout,
                                               head_dim, *tensors):
         return config, True, True
-    config = tile_config(kernel, head_dim, dtype, interpreted, causal, seqlen)
+    config = tile_config(kernel, head_dim, dtype, interpreted, mask, seqlen)
     [tma] = use_tma([config.tma], interpreted, *tensors)
     return config, False, tma
 
 
-def warp_specialize(tiles_full: bool, interpreted: bool, causal: bool, layout: "SequenceLayout", head_dim: int,
-                    *tensors: torch.Tensor) -> bool:
+def warp_specialize(tiles_full: bool, interpreted: bool, options: AttentionOptions, layout: "SequenceLayout",
+                    head_dim: int, *tensors: torch.Tensor) -> bool:
     """Whether a kernel runs its main loop warp-specialised (one warp loads tiles through the copy
     engine while the others compute; ``tl.range(..., warp_specialize=True)``), given that the
     config table has a warp-specialised entry for it.
 
-    Only for the one loop shape Triton compiles correctly: dense, non-causal, every tile of the
-    loop full (``tiles_full``: its sequence length a multiple of the tile, so no tile needs a
-    mask), the head dim exactly its chunks (no padding), and the tensors readable through
-    ``tiles.tensor_tile_descriptors``.
+    Only for the one loop shape Triton compiles correctly: dense, no option beyond the scale (no
+    mask, softcap, bias, sinks or dropout), every tile of the loop full (``tiles_full``: its
+    sequence length a multiple of the tile, so no tile needs a mask), the head dim exactly its
+    chunks (no padding), and the tensors readable through ``tiles.tensor_tile_descriptors``.
     FLASH_ATTENTION_WS=0 turns it off, "1" on wherever those hold, the CPU interpreter and any
     Triton included (the interpreter runs the same code without warp specialisation; the tests use
     it to cover this path without a GPU); unset, it runs compiled on Hopper (sm_90) with a Triton
     version in WARP_SPECIALIZATION_CHECKED. It needs tensor descriptors, so FLASH_ATTENTION_TMA=0
     turns it off too.
     """
-    if causal or layout.is_varlen or not tiles_full or head_dim != sum(head_dim_chunks(head_dim)):
+    if options.variant or layout.is_varlen or not tiles_full or head_dim != sum(head_dim_chunks(head_dim)):
         return False
     setting = os.environ.get("FLASH_ATTENTION_WS", "")
     if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
@@ -208,6 +207,10 @@ class SequenceLayout:
         stride = stats.stride()
         return (0, stride[0]) if self.is_varlen else stride[:2]
 
-    def kernel_args(self) -> tuple:
-        """CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k kernel arguments."""
-        return self.cu_seqlens_q, self.cu_seqlens_k, self.seqlen_q, self.seqlen_k
+    def cu_seqlens(self) -> tuple:
+        """CuSeqlensQ, CuSeqlensK kernel arguments (None for dense inputs)."""
+        return self.cu_seqlens_q, self.cu_seqlens_k
+
+    def seqlens(self) -> tuple:
+        """seqlen_q, seqlen_k kernel arguments: the lengths, or the longest ones for varlen."""
+        return self.seqlen_q, self.seqlen_k

@@ -1,4 +1,4 @@
-"""Tile loads, stores and masks shared by the forward and backward kernels.
+"""Tile loads and stores shared by the forward and backward kernels (masks: scores.py).
 
 Every tensor the kernels touch is addressed as ``base + row * row_stride + col`` inside one
 (sequence, head) slice, with the last (head) dimension contiguous. A sequence is either one batch
@@ -193,16 +193,6 @@ def load_tile_from(
 
 
 @triton.jit
-def query_tile_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """First query row of this program's tile (grid axis 0). Under causal masking the tiles run
-    in reverse, longest rows first, so that the short ones fill the last wave."""
-    if IS_CAUSAL:
-        return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    else:
-        return tl.program_id(0) * BLOCK_M
-
-
-@triton.jit
 def _store_chunk(base_ptr, chunk, start_row, stride_row, num_rows, BLOCK_ROWS: tl.constexpr,
                  COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
     ptrs, mask = _chunk_ptrs_and_mask(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, COL_START, COLS, HEAD_DIM)
@@ -290,59 +280,3 @@ def mma_into_head(p, y_a, y_b, acc_a, acc_b, DIM_B: tl.constexpr, PRECISION: tl.
     if DIM_B > 0:
         acc_b = mma(p, y_b, acc_b, PRECISION)
     return acc_a, acc_b
-
-
-@triton.jit
-def visible(q_idx, k_idx, seqlen_k, causal_offset, IS_CAUSAL: tl.constexpr):
-    """Mask of the score entries a query row may attend to, broadcast from query and key indices.
-
-    Keys past the sequence end are never visible (a zero-filled key would otherwise score 0, not
-    -inf). With causal masking, aligned to the bottom-right corner as in flash-attn, query row i sees
-    key j iff j <= i + (seqlen_k - seqlen_q) = i + causal_offset.
-    """
-    mask = k_idx < seqlen_k
-    if IS_CAUSAL:
-        mask = mask & (k_idx <= q_idx + causal_offset)
-    return mask
-
-
-@triton.jit
-def key_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Key range [0, end) that query rows [start_m, start_m + BLOCK_M) attend to, and the prefix
-    [0, full) (a multiple of BLOCK_N) of key tiles that every row of the block sees in full.
-
-    Under causal masking the last row of the block sees keys up to start_m + BLOCK_M - 1 + offset
-    and its first row, hence every row, keys up to start_m + offset.
-    """
-    if IS_CAUSAL:
-        causal_offset = seqlen_k - seqlen_q
-        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
-        full = tl.maximum(tl.minimum(seqlen_k, start_m + causal_offset + 1), 0)
-    else:
-        end = seqlen_k
-        full = seqlen_k
-    return (full // BLOCK_N) * BLOCK_N, end
-
-
-@triton.jit
-def query_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Query tiles that see keys [start_n, start_n + BLOCK_N), split in three ranges:
-    [start, diag) crosses the causal diagonal (masked), [diag, tail) sees the key tile in full
-    (unmasked), [tail, seqlen_q) is the ragged last query tile (masked). All bounds but seqlen_q are
-    multiples of BLOCK_M; empty ranges have start >= end.
-
-    Under causal masking, query row i sees key start_n iff i >= start_n - offset and sees the whole
-    key tile iff i >= start_n + BLOCK_N - 1 - offset. Values are clamped at 0 before dividing, so
-    the integer division never sees a negative operand.
-    """
-    seqlen_q_ceil = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
-        causal_offset = seqlen_k - seqlen_q
-        start = (tl.maximum(start_n - causal_offset, 0) // BLOCK_M) * BLOCK_M
-        first_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-        diag = tl.minimum(tl.maximum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, start), seqlen_q_ceil)
-    else:
-        start = 0
-        diag = 0
-    tail = tl.maximum(diag, (seqlen_q // BLOCK_M) * BLOCK_M)
-    return start, diag, tail

@@ -14,3 +14,8 @@ def random_qkv(q_shape, kv_shape, dtype=torch.float16, requires_grad=False):
 def cu_seqlens(lengths):
     """int32 (len(lengths) + 1,) offsets of sequences packed back to back."""
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+
+def op_options(fa, causal, softmax_scale=0.125, **options):
+    """The ops' trailing option arguments (AttentionOptions.flatten) for a direct op call."""
+    return fa.flash_attention_kernel.AttentionOptions(softmax_scale, causal, **options).flatten()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from inputs import cu_seqlens, random_qkv
+from inputs import cu_seqlens, op_options, random_qkv
 
 
 def _qkv(dtype=torch.float16, heads=(4, 2), requires_grad=False):
@@ -14,7 +14,7 @@ def _qkv(dtype=torch.float16, heads=(4, 2), requires_grad=False):
 DENSE = (None, None, 0, 0)
 
 
-def _varlen_options():
+def _varlen_layout():
     lengths = [17, 0, 40, 5]
     cu = cu_seqlens(lengths)
     return sum(lengths), (cu, cu, max(lengths), max(lengths))
@@ -23,30 +23,51 @@ def _varlen_options():
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_fwd(fa, causal):
     q, k, v = _qkv(requires_grad=True)
-    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *DENSE, 0.125, causal))
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *DENSE, *op_options(fa, causal)))
 
 
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_opcheck_bwd(fa, with_dlse):
     q, k, v = _qkv()
-    out, lse = fa.ops.fwd(q, k, v, *DENSE, 0.125, True)
+    out, lse = fa.ops.fwd(q, k, v, *DENSE, *op_options(fa, True))
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
-    torch.library.opcheck(fa.ops.bwd.default, (dout, q, k, v, out, lse, dlse, *DENSE, 0.125, True))
+    torch.library.opcheck(fa.ops.bwd.default, (dout, q, k, v, out, lse, dlse, *DENSE, *op_options(fa, True)))
 
 
 def test_opcheck_varlen_and_packed(fa):
-    total, options = _varlen_options()
+    total, layout = _varlen_layout()
     qkv = torch.randn(total, 3, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
     q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(dim=1))
     kv = torch.stack((k, v), dim=1).detach().requires_grad_()
-    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *options, 0.125, True))
-    torch.library.opcheck(fa.ops.fwd_qkvpacked.default, (qkv, *options, 0.125, True))
-    torch.library.opcheck(fa.ops.fwd_kvpacked.default, (q, kv, *options, 0.125, False))
-    out, lse = (t.detach() for t in fa.ops.fwd_qkvpacked(qkv, *options, 0.125, True))
+    causal, full = op_options(fa, True), op_options(fa, False)
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *layout, *causal))
+    torch.library.opcheck(fa.ops.fwd_qkvpacked.default, (qkv, *layout, *causal))
+    torch.library.opcheck(fa.ops.fwd_kvpacked.default, (q, kv, *layout, *full))
+    out, lse = (t.detach() for t in fa.ops.fwd_qkvpacked(qkv, *layout, *causal))
     dout = torch.randn_like(out)
-    torch.library.opcheck(fa.ops.bwd_qkvpacked.default, (dout, qkv.detach(), out, lse, None, *options, 0.125, True))
-    torch.library.opcheck(fa.ops.bwd_kvpacked.default, (dout, q.detach(), kv.detach(), out, lse, None, *options, 0.125, True))
+    torch.library.opcheck(fa.ops.bwd_qkvpacked.default, (dout, qkv.detach(), out, lse, None, *layout, *causal))
+    torch.library.opcheck(fa.ops.bwd_kvpacked.default, (dout, q.detach(), kv.detach(), out, lse, None, *layout, *causal))
+
+
+def test_opcheck_every_option(fa):
+    """The ops' schema carries every option: window, softcap, ALiBi, sinks (with their gradient),
+    dropout with its RNG state, and the probabilities op."""
+    q, k, v = _qkv(requires_grad=True)
+    sinks = torch.randn(4, device=DEVICE)
+
+    def options(sinks):
+        return op_options(fa, True, window_left=40, window_right=3, softcap=20.0, dropout_p=0.2,
+                          alibi_slopes=torch.rand(2, 4, device=DEVICE), sinks=sinks,
+                          rng_state=fa.flash_attention_kernel.draw_rng_state(q.device))
+
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, *DENSE, *options(sinks.requires_grad_())))
+    out, lse = (t.detach() for t in fa.ops.fwd(q, k, v, *DENSE, *options(sinks)))
+    dout = torch.randn_like(out)
+    detached = options(sinks.detach())  # (opcheck would differentiate the backward op through the sinks)
+    torch.library.opcheck(fa.ops.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, None, *DENSE,
+                                                *detached))
+    torch.library.opcheck(fa.ops.probs.default, (q.detach(), k.detach(), lse, *DENSE, *detached))
 
 
 def test_torch_compile_fullgraph(fa):
@@ -64,7 +85,7 @@ def test_torch_compile_fullgraph(fa):
     for got, want in zip(loss_grads(compiled), eager):
         assert torch.equal(got, want)
 
-    total, (cu, _, longest, _) = _varlen_options()
+    total, (cu, _, longest, _) = _varlen_layout()
     qkv = torch.randn(total, 3, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
     varlen = lambda qkv: fa.flash_attn_varlen_qkvpacked_func(qkv, cu, longest, causal=True)  # noqa: E731
     compiled_varlen = torch.compile(varlen, fullgraph=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ON_GPU
-from inputs import cu_seqlens, random_qkv
+from inputs import cu_seqlens, op_options, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, run_ref
 
 # (name, q shape, k/v shape, dtype, causal); batch, seqlen, heads, head dim
@@ -77,12 +77,12 @@ def test_descriptors_under_opcheck(fa, monkeypatch):
     the descriptor decision must not read one."""
     monkeypatch.setenv("FLASH_ATTENTION_TMA", "1")
     q, k, v = random_qkv((2, 113, 4, 64), (2, 203, 2, 64), torch.float16, requires_grad=True)
-    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, None, None, 0, 0, 0.125, False))
-    out, lse = fa.ops.fwd(q, k, v, None, None, 0, 0, 0.125, False)
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, None, None, 0, 0, *op_options(fa, False)))
+    out, lse = fa.ops.fwd(q, k, v, None, None, 0, 0, *op_options(fa, False))
     dout = torch.randn_like(out)
     torch.library.opcheck(fa.ops.bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None,
-                           None, None, 0, 0, 0.125, False))
+                           None, None, 0, 0, *op_options(fa, False)))
 
 
 def test_varlen_descriptors_match_plain_loads(fa, monkeypatch):

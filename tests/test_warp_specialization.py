@@ -32,7 +32,8 @@ def _specialized(fa, q, k, v, causal=False, layout=None, kernel="fwd"):
     launchers call it)."""
     launch = fa.flash_attention_kernel.launch
     layout = layout or launch.SequenceLayout.of(q, k)
-    return launch.launch_plan(kernel, q.shape[-1], q.dtype, causal, layout, not ON_GPU, q, k, v)[1]
+    options = fa.flash_attention_kernel.AttentionOptions(q.shape[-1] ** -0.5, causal)
+    return launch.launch_plan(kernel, q.shape[-1], q.dtype, options, layout, not ON_GPU, q, k, v)[1]
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):

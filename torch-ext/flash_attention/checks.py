@@ -1,4 +1,4 @@
-"""Argument checks for the public functions.
+"""Argument checks for the public functions, and the validated AttentionOptions of a call.
 
 Each check raises an exception that names the argument and what is allowed. They run on host
 metadata only (shapes, dtypes, devices), so they cost no device synchronisation, with one
@@ -14,10 +14,11 @@ import os
 
 import torch
 
-from .flash_attention_kernel import interpreter_active
+from .flash_attention_kernel import AttentionOptions, draw_rng_state, interpreter_active
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SINK_DTYPES = SUPPORTED_DTYPES
 DEBUG_CHECKS_ENV = "FLASH_ATTENTION_CHECK_INPUTS"
 
 
@@ -131,21 +132,63 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes, block_table=None) -> None:
-    """Parameters of flash-attn whose feature is not built yet: valid defaults pass, the rest raise."""
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p > 0 is not supported yet; pass dropout_p=0.0")
-    if len(tuple(window_size)) != 2 or any(not isinstance(w, int) or w < -1 for w in window_size):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("window_size (sliding-window attention) is not supported yet; pass window_size=(-1, -1)")
-    if not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"softcap must be a number >= 0 (0 = off), got {softcap!r}")
-    if softcap != 0.0:
-        raise NotImplementedError("softcap is not supported yet; pass softcap=0.0")
+def _number(name: str, value, allowed: str, valid) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not valid(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _window(window_size) -> tuple[int, int]:
+    """flash-attn's window_size: a tuple or list of two ints, or a 2-element integer tensor (its
+    tests pass torch.randint(0, seqlen, (2,)); reading it costs a device-to-host copy)."""
+    allowed = "a tuple or list of two ints >= -1 (-1 = unbounded) or a 2-element integer tensor"
+    if isinstance(window_size, torch.Tensor):
+        if window_size.shape != (2,) or window_size.is_floating_point() or window_size.is_complex():
+            raise ValueError(f"window_size must be {allowed}, got a tensor of shape {tuple(window_size.shape)} "
+                             f"and dtype {window_size.dtype}")
+        window_size = window_size.tolist()
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):
+        raise ValueError(f"window_size must be {allowed}, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _per_head_tensor(name: str, x, q: torch.Tensor, shapes: dict, dtypes, dtype_text: str) -> torch.Tensor:
+    """A tensor option of one of ``shapes`` (text -> shape) and one of ``dtypes`` on q's device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {dtype_text}, got {x.dtype}")
+    if tuple(x.shape) not in shapes.values():
+        raise ValueError(f"{name} must have shape {' or '.join(shapes)}, got {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    return x.contiguous()
+
+
+def attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, s_aux) -> AttentionOptions:
+    """The validated options of a call on ``q`` (heads on dim -2) with ``batch`` sequences, with
+    dropout's RNG state drawn from PyTorch's generator when dropout_p > 0."""
+    heads = q.shape[-2]
+    dropout_p = _number("dropout_p", dropout_p, "a number in [0, 1)", lambda p: 0.0 <= p < 1.0)
+    window_left, window_right = _window(window_size)
+    softcap = _number("softcap", softcap, "a number >= 0 (0 = off)", lambda c: c >= 0)
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported yet; pass alibi_slopes=None")
+        alibi_slopes = _per_head_tensor("alibi_slopes", alibi_slopes, q,
+                                        {f"(nheads,) = ({heads},)": (heads,),
+                                         f"(batch, nheads) = ({batch}, {heads})": (batch, heads)},
+                                        (torch.float32,), "torch.float32")
+    if s_aux is not None:
+        s_aux = _per_head_tensor("s_aux", s_aux, q, {f"(nheads,) = ({heads},)": (heads,)}, SINK_DTYPES,
+                                 "float16, bfloat16 or float32")
+    return AttentionOptions(
+        softmax_scale=softmax_scale_or_default(softmax_scale, q.shape[-1]), causal=bool(causal),
+        window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes, sinks=s_aux, rng_state=draw_rng_state(q.device) if dropout_p > 0 else None,
+    )
+
+
+def check_block_table(block_table) -> None:
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not supported yet; pass block_table=None")

@@ -1,36 +1,54 @@
 """Public functions: flash-attn 2's interface and the kernels-community ``flash_attention_forward``.
 
-Each function checks its arguments (``checks.py``), passes views of its inputs to one of the
-forward ops (``fwd``, ``fwd_kvpacked``, ``fwd_qkvpacked``) through ``torch_ops.attention``, whose
-autograd formula calls the matching backward op. Dense inputs are (batch, seqlen, heads, headdim); the
-``varlen`` functions take sequences packed along the first dim, (total_tokens, heads, headdim),
-with int32 ``cu_seqlens`` (batch + 1,) marking where each sequence starts. Features flash-attn has
-but this package does not build yet raise NotImplementedError naming the parameter.
+Each function checks its tensors (``checks.py``) and hands them, with its options, to ``_run``:
+it validates the options into one ``AttentionOptions`` (drawing dropout's RNG state from PyTorch's
+generator), calls one of the forward ops (``fwd``, ``fwd_kvpacked``, ``fwd_qkvpacked``) through
+``torch_ops.run_op``, whose autograd formula calls the matching backward op, and with
+``return_attn_probs=True`` and dropout also the ``probs`` op. Dense inputs are
+(batch, seqlen, heads, headdim); the ``varlen`` functions take sequences packed along the first
+dim, (total_tokens, heads, headdim), with int32 ``cu_seqlens`` (batch + 1,) marking where each
+sequence starts.
 
-Semantics shared by all functions: softmax_scale defaults to 1/sqrt(headdim); nheads a multiple of
-nheads_k (GQA/MQA); causal masks are aligned to the bottom-right corner of each sequence
-(query i sees keys j <= i + seqlen_k - seqlen_q); a query row that sees no key outputs 0 and has
-softmax_lse = +inf. The backward uses no atomics, so it is deterministic whatever
-``deterministic`` says. With return_attn_probs=True they return (out, softmax_lse, None): the
-attention-probability tensor is not built. softmax_lse is fp32, natural log, shaped
-(batch, nheads, seqlen_q) for dense inputs and (nheads, total_q) for varlen inputs.
+Semantics (flash-attn 2.8's): softmax_scale defaults to 1/sqrt(headdim); nheads a multiple of
+nheads_k (GQA/MQA); causal masks and windows are aligned to the bottom-right corner of each
+sequence (query i sees keys j with i + sk - sq - left <= j <= i + sk - sq + right, causal meaning
+right = 0; -1 = unbounded); softcap > 0 caps the scaled scores as softcap * tanh(s / softcap);
+alibi_slopes (fp32, (nheads,) or (batch, nheads)) add -slope * |i + sk - sq - j|; s_aux (the
+attention sinks of gpt-oss, (nheads,)) adds one logit per head to every row's softmax denominator
+and gets a gradient; dropout_p drops probabilities with a Philox mask that the backward
+regenerates. A query row that sees no key outputs 0 and has softmax_lse = +inf (with sinks: the
+sink's logit). softmax_lse is fp32, natural log, includes the sink, and is shaped
+(batch, nheads, seqlen_q) for dense inputs and (nheads, total_q) for varlen inputs. With
+return_attn_probs=True the functions return (out, softmax_lse, S_dmask): S_dmask is None without
+dropout, else the probabilities (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated.
+The backward uses no atomics, so every output and gradient is bitwise repeatable whatever
+``deterministic`` says.
 """
 
 from typing import Optional
 
 import torch
 
-from .checks import (
-    check_packed, check_qkv, check_unbuilt_features, check_varlen, softmax_scale_or_default,
-)
-from .torch_ops import attention
+from .checks import attention_options, check_block_table, check_packed, check_qkv, check_varlen
+from .torch_ops import run_op
 
 DENSE = "(batch, seqlen, nheads, headdim)"
 VARLEN = "(total_tokens, nheads, headdim)"
+NO_LAYOUT = (None, None, 0, 0)  # dense inputs: no cu_seqlens, max_seqlens unused
 
 
-def _result(out, softmax_lse, return_attn_probs: bool):
-    return (out, softmax_lse, None) if return_attn_probs else out
+def _run(op: str, inputs: tuple, q, k, layout: tuple, batch: int, dropout_p, softmax_scale, causal, window_size,
+         softcap, alibi_slopes, s_aux, return_attn_probs):
+    """Forward op ``op`` on ``inputs`` (q, k: the query and key tensors among them) with the
+    sequence ``layout`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) and the options."""
+    options = attention_options(q, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
+    out, softmax_lse = run_op(op, *inputs, *layout, *options.flatten())
+    if not return_attn_probs:
+        return out
+    probs = None
+    if options.dropout_p > 0:
+        probs = run_op("probs", q.detach(), k.detach(), softmax_lse.detach(), *layout, *options.flatten())
+    return out, softmax_lse, probs
 
 
 def flash_attn_func(
@@ -45,14 +63,13 @@ def flash_attn_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    s_aux: Optional[torch.Tensor] = None,
 ):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
-    Returns out like q, or (out, softmax_lse, None)."""
+    Returns out like q, or (out, softmax_lse, S_dmask)."""
     check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
-    check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
-    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = attention("fwd", q, k, v, None, None, 0, 0, scale, bool(causal))
-    return _result(out, softmax_lse, return_attn_probs)
+    return _run("fwd", (q, k, v), q, k, NO_LAYOUT, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, s_aux, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -66,14 +83,14 @@ def flash_attn_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    s_aux: Optional[torch.Tensor] = None,
 ):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
     check_packed("kv", kv, "(batch, seqlen, 2, nheads, headdim)", 2)
-    check_qkv(q, *kv.unbind(dim=2), DENSE, heads_axis=2, dense=True)
-    check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
-    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = attention("fwd_kvpacked", q, kv, None, None, 0, 0, scale, bool(causal))
-    return _result(out, softmax_lse, return_attn_probs)
+    k, v = kv.unbind(dim=2)
+    check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
+    return _run("fwd_kvpacked", (q, kv), q, k, NO_LAYOUT, q.shape[0], dropout_p, softmax_scale, causal, window_size,
+                softcap, alibi_slopes, s_aux, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -86,14 +103,14 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    s_aux: Optional[torch.Tensor] = None,
 ):
     """qkv: (batch, seqlen, 3, nheads, headdim)."""
     check_packed("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)", 3)
-    check_qkv(*qkv.unbind(dim=2), DENSE, heads_axis=2, dense=True)
-    check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
-    scale = softmax_scale_or_default(softmax_scale, qkv.shape[-1])
-    out, softmax_lse = attention("fwd_qkvpacked", qkv, None, None, 0, 0, scale, bool(causal))
-    return _result(out, softmax_lse, return_attn_probs)
+    q, k, v = qkv.unbind(dim=2)
+    check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
+    return _run("fwd_qkvpacked", (qkv,), q, k, NO_LAYOUT, q.shape[0], dropout_p, softmax_scale, causal, window_size,
+                softcap, alibi_slopes, s_aux, return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -113,16 +130,15 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: Optional[torch.Tensor] = None,
+    s_aux: Optional[torch.Tensor] = None,
 ):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q/k int32
     (batch + 1,); max_seqlen_q/k: the longest sequence (an int; a 0-d tensor is accepted)."""
     check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
-    max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes, block_table)
-    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = attention("fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                 bool(causal))
-    return _result(out, softmax_lse, return_attn_probs)
+    layout = (cu_seqlens_q, cu_seqlens_k, *check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k))
+    check_block_table(block_table)
+    return _run("fwd", (q, k, v), q, k, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, s_aux, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -140,17 +156,15 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    s_aux: Optional[torch.Tensor] = None,
 ):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
     check_packed("kv", kv, "(total_tokens, 2, nheads, headdim)", 2)
     k, v = kv.unbind(dim=1)
     check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
-    max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
-    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, softmax_lse = attention("fwd_kvpacked", q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 scale, bool(causal))
-    return _result(out, softmax_lse, return_attn_probs)
+    layout = (cu_seqlens_q, cu_seqlens_k, *check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k))
+    return _run("fwd_kvpacked", (q, kv), q, k, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, s_aux, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -165,17 +179,16 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    s_aux: Optional[torch.Tensor] = None,
 ):
     """qkv: (total_tokens, 3, nheads, headdim); cu_seqlens int32 (batch + 1,)."""
     check_packed("qkv", qkv, "(total_tokens, 3, nheads, headdim)", 3)
     q, k, v = qkv.unbind(dim=1)
     check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
     max_seqlen, _ = check_varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, q, k)
-    check_unbuilt_features(dropout_p, window_size, softcap, alibi_slopes)
-    scale = softmax_scale_or_default(softmax_scale, qkv.shape[-1])
-    out, softmax_lse = attention("fwd_qkvpacked", qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale,
-                                 bool(causal))
-    return _result(out, softmax_lse, return_attn_probs)
+    return _run("fwd_qkvpacked", (qkv,), q, k, (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
+                cu_seqlens.numel() - 1, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux,
+                return_attn_probs)
 
 
 def flash_attention_forward(
@@ -188,7 +201,6 @@ def flash_attention_forward(
     """Attention on (batch, heads, seqlen, headdim) tensors, differentiable; returns the output in
     the same layout. Same semantics as ``flash_attn_func``."""
     check_qkv(query, key, value, "(batch, nheads, seqlen, headdim)", heads_axis=1, dense=True)
-    scale = softmax_scale_or_default(softmax_scale, query.shape[-1])
-    out, _ = attention("fwd", query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, 0, 0,
-                       scale, bool(causal))
-    return out.transpose(1, 2)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    return _run("fwd", (q, k, v), q, k, NO_LAYOUT, q.shape[0], 0.0, softmax_scale, causal, (-1, -1), 0.0, None, None,
+                False).transpose(1, 2)

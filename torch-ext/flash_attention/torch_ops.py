@@ -1,7 +1,7 @@
 """Torch custom ops over the Triton launchers, with autograd.
 
 The ops (``fwd``/``bwd`` and the packed ``fwd_kvpacked``/``bwd_kvpacked``,
-``fwd_qkvpacked``/``bwd_qkvpacked``) are ``torch.library.triton_op``s: their bodies are plain PyTorch code plus Triton
+``fwd_qkvpacked``/``bwd_qkvpacked``, and ``probs`` for return_attn_probs) are ``torch.library.triton_op``s: their bodies are plain PyTorch code plus Triton
 launches through ``torch.library.wrap_triton``, so torch.compile traces into them (no graph break,
 fake implementations derived from the body). The op namespace comes from the build-generated
 ``_ops`` module, which is unique per build and backend; it is never written out by hand.
@@ -32,8 +32,37 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ._ops import add_op_namespace_prefix, ops
-from .flash_attention_kernel import attention_backward, attention_forward, interpreter_active
+from .flash_attention_kernel import (
+    AttentionOptions, attention_backward, attention_forward, attention_probabilities, interpreter_active,
+)
 from .flash_attention_kernel.launch import identity_wrap
+
+Tensor = torch.Tensor
+OptionalTensor = Optional[torch.Tensor]
+
+# Every op takes its tensors, then the same trailing parameters: the sequence layout
+# (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k; cu_seqlens None means dense
+# (batch, seqlen, heads, dim) inputs, and then max_seqlen_* are unused), then the attention
+# options as AttentionOptions flattens them (tensor options, then scalars).
+#   fwd(q, k, v, ...), fwd_kvpacked(q, kv, ...), fwd_qkvpacked(qkv, ...) -> (out, softmax_lse)
+#   bwd(dout, q, k, v, out, softmax_lse, dlse, ...) -> (dq, dk, dv, dsinks)
+#   bwd_kvpacked(dout, q, kv, out, softmax_lse, dlse, ...) -> (dq, dkv, dsinks)
+#   bwd_qkvpacked(dout, qkv, out, softmax_lse, dlse, ...) -> (dqkv, dsinks)
+#   probs(q, k, softmax_lse, ...) -> S_dmask (probabilities with the dropout mask in their sign)
+# dlse is the gradient of softmax_lse, None when unused; dsinks is an empty tensor without sinks.
+# The packed variants take q, k, v as slices along dim -3 of one tensor and their backward writes
+# the gradient of that tensor directly (the kernels store into its slices), instead of stacking
+# three separate gradients.
+_LAYOUT = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+           for name, annotation in (("cu_seqlens_q", OptionalTensor), ("cu_seqlens_k", OptionalTensor),
+                                    ("max_seqlen_q", int), ("max_seqlen_k", int))]
+TRAILING = _LAYOUT + AttentionOptions.schema()
+NUM_TRAILING = len(TRAILING)
+
+
+def _split(trailing):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), AttentionOptions."""
+    return tuple(trailing[:len(_LAYOUT)]), AttentionOptions.unflatten(trailing[len(_LAYOUT):])
 
 
 class _SkipLaunch:
@@ -46,14 +75,17 @@ class _SkipLaunch:
         return lambda *args, **kwargs: None
 
 
-def _register(name: str, body):
-    """Register ``body(*args, wrap_kernel)`` as the op ``name`` (see the module docstring)."""
+def _register(name: str, body, leading: str, returns):
+    """Register ``body(*args, wrap_kernel)`` as the op ``name`` whose parameters are the tensors
+    named in ``leading`` (Optional where they end in "?") and TRAILING (see the module docstring)."""
 
     def impl(*args):
         return body(*args, wrap_kernel=torch.library.wrap_triton)
 
-    parameters = [p for p in inspect.signature(body).parameters.values() if p.name != "wrap_kernel"]
-    impl.__signature__ = inspect.signature(body).replace(parameters=parameters)
+    parameters = [inspect.Parameter(arg.rstrip("?"), inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    annotation=OptionalTensor if arg.endswith("?") else Tensor)
+                  for arg in leading.split()]
+    impl.__signature__ = inspect.Signature(parameters + TRAILING, return_annotation=returns)
     if not interpreter_active():
         return torch.library.triton_op(name, impl, mutates_args=())
     op = torch.library.custom_op(name, impl, mutates_args=())
@@ -61,78 +93,74 @@ def _register(name: str, body):
     return op
 
 
-# Every forward op takes (*tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-# softmax_scale, causal) and returns (out, softmax_lse); cu_seqlens None means dense (batch,
-# seqlen, heads, dim) inputs, and then max_seqlen_* are unused. The packed variants take q, k, v
-# as slices along dim -3 of one tensor and their backward writes the gradient of that tensor
-# directly (the kernels store into its slices), instead of stacking three separate gradients.
-# Every backward op takes (dout, *tensors, out, softmax_lse, dlse, <the same trailing options>)
-# and returns the gradients of *tensors; dlse is the gradient of softmax_lse, None when unused.
-
-Tensor = torch.Tensor
-OptionalTensor = Optional[torch.Tensor]
-
-
 def _packed_grad(packed: Tensor) -> Tensor:
     """Gradient buffer for a packed tensor: contiguous, so each slice has a unit last stride."""
     return torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
 
 
-def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor,
-         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor]:
-    return attention_forward(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             wrap_kernel=wrap_kernel)
+def _sink_grad_or_empty(dsinks, q):
+    return dsinks if dsinks is not None else q.new_empty(0)
 
 
-def _fwd_kvpacked(q: Tensor, kv: Tensor, cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor,
-                  max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-                  wrap_kernel) -> tuple[Tensor, Tensor]:
-    k, v = kv.unbind(dim=-3)
-    return attention_forward(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             wrap_kernel=wrap_kernel)
+def _fwd(q, k, v, *trailing, wrap_kernel):
+    layout, options = _split(trailing)
+    return attention_forward(q, k, v, options, *layout, wrap_kernel=wrap_kernel)
 
 
-def _fwd_qkvpacked(qkv: Tensor, cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int,
-                   max_seqlen_k: int, softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor]:
-    q, k, v = qkv.unbind(dim=-3)
-    return attention_forward(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             wrap_kernel=wrap_kernel)
+def _fwd_kvpacked(q, kv, *trailing, wrap_kernel):
+    return _fwd(q, *kv.unbind(dim=-3), *trailing, wrap_kernel=wrap_kernel)
 
 
-def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dlse: OptionalTensor,
-         cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int, max_seqlen_k: int,
-         softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor, Tensor]:
-    return attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, dlse, cu_seqlens_q,
-                              cu_seqlens_k, max_seqlen_q, max_seqlen_k, wrap_kernel=wrap_kernel)
+def _fwd_qkvpacked(qkv, *trailing, wrap_kernel):
+    return _fwd(*qkv.unbind(dim=-3), *trailing, wrap_kernel=wrap_kernel)
 
 
-def _bwd_kvpacked(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, softmax_lse: Tensor, dlse: OptionalTensor,
-                  cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int, max_seqlen_k: int,
-                  softmax_scale: float, causal: bool, wrap_kernel) -> tuple[Tensor, Tensor]:
+def _bwd(dout, q, k, v, out, softmax_lse, dlse, *trailing, wrap_kernel, grads=None):
+    layout, options = _split(trailing)
+    dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, softmax_lse, options, dlse, *layout, grads=grads,
+                                            wrap_kernel=wrap_kernel)
+    return dq, dk, dv, _sink_grad_or_empty(dsinks, q)
+
+
+def _bwd_kvpacked(dout, q, kv, out, softmax_lse, dlse, *trailing, wrap_kernel):
     dkv = _packed_grad(kv)
-    dk, dv = dkv.unbind(dim=-3)
-    dq, _, _ = attention_backward(dout, q, *kv.unbind(dim=-3), out, softmax_lse, softmax_scale, causal, dlse,
-                                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  grads=(torch.empty_like(q), dk, dv), wrap_kernel=wrap_kernel)
-    return dq, dkv
+    dq, _, _, dsinks = _bwd(dout, q, *kv.unbind(dim=-3), out, softmax_lse, dlse, *trailing, wrap_kernel=wrap_kernel,
+                            grads=(torch.empty_like(q), *dkv.unbind(dim=-3)))
+    return dq, dkv, dsinks
 
 
-def _bwd_qkvpacked(dout: Tensor, qkv: Tensor, out: Tensor, softmax_lse: Tensor, dlse: OptionalTensor,
-                   cu_seqlens_q: OptionalTensor, cu_seqlens_k: OptionalTensor, max_seqlen_q: int, max_seqlen_k: int,
-                   softmax_scale: float, causal: bool, wrap_kernel) -> Tensor:
+def _bwd_qkvpacked(dout, qkv, out, softmax_lse, dlse, *trailing, wrap_kernel):
     dqkv = _packed_grad(qkv)
-    attention_backward(dout, *qkv.unbind(dim=-3), out, softmax_lse, softmax_scale, causal, dlse, cu_seqlens_q,
-                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, grads=dqkv.unbind(dim=-3), wrap_kernel=wrap_kernel)
-    return dqkv
+    *_, dsinks = _bwd(dout, *qkv.unbind(dim=-3), out, softmax_lse, dlse, *trailing, wrap_kernel=wrap_kernel,
+                      grads=dqkv.unbind(dim=-3))
+    return dqkv, dsinks
 
 
-NUM_OPTIONS = 6  # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+def _probs(q, k, softmax_lse, *trailing, wrap_kernel):
+    layout, options = _split(trailing)
+    return attention_probabilities(q, k, softmax_lse, options, *layout, wrap_kernel=wrap_kernel)
+
+
+# name -> (body, its tensor parameters, return annotation)
+_OPS = {
+    "fwd": (_fwd, "q k v", tuple[Tensor, Tensor]),
+    "fwd_kvpacked": (_fwd_kvpacked, "q kv", tuple[Tensor, Tensor]),
+    "fwd_qkvpacked": (_fwd_qkvpacked, "qkv", tuple[Tensor, Tensor]),
+    "bwd": (_bwd, "dout q k v out softmax_lse dlse?", tuple[Tensor, Tensor, Tensor, Tensor]),
+    "bwd_kvpacked": (_bwd_kvpacked, "dout q kv out softmax_lse dlse?", tuple[Tensor, Tensor, Tensor]),
+    "bwd_qkvpacked": (_bwd_qkvpacked, "dout qkv out softmax_lse dlse?", tuple[Tensor, Tensor]),
+    "probs": (_probs, "q k softmax_lse", Tensor),
+}
+_FORWARD_TO_BACKWARD = {"fwd": "bwd", "fwd_kvpacked": "bwd_kvpacked", "fwd_qkvpacked": "bwd_qkvpacked"}
+_SAVED_AFTER_INPUTS = 2 + 2 + len(AttentionOptions.TENSORS)  # out, lse, cu_seqlens_q/k, tensor options
 
 
 def _setup_context(ctx, inputs, output):
-    tensors, (cu_seqlens_q, cu_seqlens_k, *options) = inputs[:-NUM_OPTIONS], inputs[-NUM_OPTIONS:]
-    ctx.save_for_backward(*tensors, *output, cu_seqlens_q, cu_seqlens_k)
-    ctx.options = options
+    tensors, trailing = inputs[:-NUM_TRAILING], inputs[-NUM_TRAILING:]
+    (cu_seqlens_q, cu_seqlens_k, *max_seqlens), options = _split(trailing)
+    ctx.save_for_backward(*tensors, *output, cu_seqlens_q, cu_seqlens_k, *options.tensors())
+    ctx.max_seqlens = max_seqlens
+    ctx.options = options.with_tensors([None] * len(AttentionOptions.TENSORS))  # (the tensors are saved above)
     # Unused outputs (typically softmax_lse) then get None instead of a zero tensor to read.
     ctx.set_materialize_grads(False)
 
@@ -141,29 +169,30 @@ def _autograd_formula(backward_op):
     """The backward of a forward op, as register_autograd and _EagerAttention take it."""
 
     def backward(ctx, dout, dlse):
-        *tensors, out, softmax_lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        tensors, (out, softmax_lse, cu_seqlens_q, cu_seqlens_k, *option_tensors) = (
+            saved[:-_SAVED_AFTER_INPUTS], saved[-_SAVED_AFTER_INPUTS:])
+        options = ctx.options.with_tensors(option_tensors)
         if dout is None:
             dout = torch.zeros_like(out)
-        grads = backward_op(dout, *tensors, out, softmax_lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-        grads = grads if isinstance(grads, (tuple, list)) else (grads,)
-        return (*grads, *([None] * NUM_OPTIONS))
+        *grads, dsinks = backward_op(dout, *tensors, out, softmax_lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                     *ctx.max_seqlens, *options.flatten())
+        option_grads = [dsinks if name == "sinks" and options.sinks is not None else None
+                        for name in AttentionOptions.TENSORS]
+        return (*grads, None, None, None, None, *option_grads, *([None] * len(AttentionOptions.SCALARS)))
 
     return backward
 
 
-_FORWARD_TO_BACKWARD = {"fwd": "bwd", "fwd_kvpacked": "bwd_kvpacked", "fwd_qkvpacked": "bwd_qkvpacked"}
-_BODIES = {"fwd": _fwd, "bwd": _bwd, "fwd_kvpacked": _fwd_kvpacked, "bwd_kvpacked": _bwd_kvpacked,
-           "fwd_qkvpacked": _fwd_qkvpacked, "bwd_qkvpacked": _bwd_qkvpacked}
-
-for _name, _body in _BODIES.items():
-    _register(add_op_namespace_prefix(_name), _body)
+for _name, (_body, _leading, _returns) in _OPS.items():
+    _register(add_op_namespace_prefix(_name), _body, _leading, _returns)
 for _forward, _backward in _FORWARD_TO_BACKWARD.items():
     torch.library.register_autograd(add_op_namespace_prefix(_forward), _autograd_formula(getattr(ops, _backward)),
                                     setup_context=_setup_context)
 
 
 # The op bodies launching their kernels as they are, and the autograd formulas over them.
-_DIRECT = {name: functools.partial(body, wrap_kernel=identity_wrap) for name, body in _BODIES.items()}
+_DIRECT = {name: functools.partial(body, wrap_kernel=identity_wrap) for name, (body, _, _) in _OPS.items()}
 _DIRECT_BACKWARD = {name: _autograd_formula(_DIRECT[backward]) for name, backward in _FORWARD_TO_BACKWARD.items()}
 
 
@@ -190,16 +219,16 @@ def _needs_dispatcher(tensors) -> bool:
         or torch._C._is_torch_function_mode_enabled()
         or is_in_torch_dispatch_mode()
         or torch._C._functorch.peek_interpreter_stack() is not None
-        or any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors if x is not None)
+        or any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors)
     )
 
 
-def attention(name: str, *args) -> tuple[Tensor, Tensor]:
-    """Forward op ``name`` ("fwd", "fwd_kvpacked" or "fwd_qkvpacked") on the op's arguments,
-    differentiable; eager calls skip the dispatcher (see the module docstring)."""
-    tensors = args[:-NUM_OPTIONS + 2]  # the inputs and cu_seqlens_q/k
+def run_op(name: str, *args):
+    """Op ``name`` on the op's arguments, differentiable where it has a backward; eager calls
+    skip the dispatcher (see the module docstring)."""
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
     if _needs_dispatcher(tensors):
         return getattr(ops, name)(*args)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors if x is not None):
+    if name in _FORWARD_TO_BACKWARD and torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return _EagerAttention.apply(name, *args)
     return _DIRECT[name](*args)

@@ -1,0 +1,195 @@
+"""Scores and masks: the one place where the kernels turn Q K^T into logits and decide which
+(query, key) pairs exist. The forward and both backward kernels call these functions.
+
+Which options a kernel is compiled for is one constexpr bit set, VARIANT (host side:
+``options.AttentionOptions.variant``); every option costs nothing when its bit is clear.
+
+* MASK_LEFT / MASK_RIGHT: a window bound on that side. Query row i sees key j iff
+  i + diag - left <= j <= i + diag + right, with diag = seqlen_k - seqlen_q (flash-attn's
+  bottom-right alignment); causal masking is MASK_RIGHT with right = 0. Keys past seqlen_k are
+  never visible.
+* SOFTCAP: logits softcap * tanh(scaled / softcap), before the bias and the mask.
+* ALIBI: a bias -slope * |i + diag - j| added to the (capped) scaled scores.
+* SINKS: a per-head logit in every row's softmax denominator (the kernels start each row's
+  running max and sum from it).
+* DROPOUT: a keep mask drawn from Philox, keyed by a seed, an offset and the pair's global index,
+  so that every kernel regenerates the same mask whatever its tiling.
+
+Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2.
+
+Tile ranges. A program that owns a block of rows streams tiles of the other side in three ranges:
+[lo, full_lo) tiles crossing the lower band edge (masked), [full_lo, full_hi) tiles every row of
+the block sees in full (no mask), [full_hi, hi) tiles crossing the upper band edge or the
+sequence end (masked). Tiles outside the band are never visited, so the work of a window grows
+with the window, not with the sequence.
+"""
+
+import triton
+import triton.language as tl
+
+MASK_LEFT = tl.constexpr(1)
+MASK_RIGHT = tl.constexpr(2)
+SOFTCAP = tl.constexpr(4)
+ALIBI = tl.constexpr(8)
+SINKS = tl.constexpr(16)
+DROPOUT = tl.constexpr(32)
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _band_tiles(first, last, below, above, length, BLOCK: tl.constexpr, HAS_BELOW: tl.constexpr,
+                HAS_ABOVE: tl.constexpr):
+    """Tile ranges over [0, length) for a block of indices [first, last] whose index x sees the
+    band [x + below, x + above] (each edge only where it exists): (lo, full_lo, full_hi, hi) with
+    lo, full_lo, full_hi multiples of BLOCK, lo <= full_lo <= full_hi <= hi rounded up to a tile,
+    and no full tile past ``length``. Without a lower edge lo = full_lo = 0 (constants), so no
+    lower masked range exists; where no tile is full, every visible tile sits in [full_hi, hi)."""
+    lo = 0
+    full_lo = 0
+    hi = length
+    full_hi = length
+    if HAS_ABOVE:
+        hi = tl.minimum(tl.maximum(last + above + 1, 0), length)
+        full_hi = tl.minimum(tl.maximum(first + above + 1, 0), length)
+    full_hi = (full_hi // BLOCK) * BLOCK
+    if HAS_BELOW:
+        lo = (tl.minimum(tl.maximum(first + below, 0), length) // BLOCK) * BLOCK
+        full_lo = tl.cdiv(tl.minimum(tl.maximum(last + below, 0), length), BLOCK) * BLOCK
+        no_full_tile = full_lo >= full_hi
+        full_lo = tl.where(no_full_tile, lo, full_lo)
+        full_hi = tl.where(no_full_tile, lo, full_hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    VARIANT: tl.constexpr):
+    """Key-tile ranges (lo, full_lo, full_hi, hi) for query rows [start_m, start_m + BLOCK_M)
+    (forward and dQ kernels). ``window`` is (left, right), read only where its bit is set."""
+    left, right = window
+    diag = seqlen_k - seqlen_q
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    return _band_tiles(start_m, last_m, diag - left, diag + right, seqlen_k, BLOCK_N,
+                       MASK_LEFT & VARIANT, MASK_RIGHT & VARIANT)
+
+
+@triton.jit
+def query_tile_ranges(start_n, seqlen_q, seqlen_k, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      VARIANT: tl.constexpr):
+    """Query-tile ranges (lo, full_lo, full_hi, hi) for keys [start_n, start_n + BLOCK_N) (dK/dV
+    kernel): key j is seen by rows j - diag - right .. j - diag + left. Rows past seqlen_q sit in
+    the last, masked range."""
+    left, right = window
+    diag = seqlen_k - seqlen_q
+    last_n = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+    return _band_tiles(start_n, last_n, -diag - right, -diag + left, seqlen_q, BLOCK_M,
+                       MASK_RIGHT & VARIANT, MASK_LEFT & VARIANT)
+
+
+@triton.jit
+def query_tile_start(BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
+    """First query row of this program's tile (grid axis 0). With an upper band edge (causal) the
+    tiles run in reverse, longest rows first, so that the short ones fill the last wave."""
+    if MASK_RIGHT & VARIANT:
+        return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    else:
+        return tl.program_id(0) * BLOCK_M
+
+
+@triton.jit
+def visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT: tl.constexpr):
+    """Mask of the (query, key) pairs that exist, broadcast from query and key indices."""
+    left, right = window
+    mask = k_idx < seqlen_k
+    if MASK_RIGHT & VARIANT:
+        mask = mask & (k_idx <= q_idx + diag + right)
+    if MASK_LEFT & VARIANT:
+        mask = mask & (k_idx >= q_idx + diag - left)
+    return mask
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (the interpreter has no libdevice): (1 - e) / (1 + e) with e = exp(-2|x|),
+    which neither overflows nor loses the sign."""
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def logits(qk, q_idx, k_idx, seqlen_k, diag, window, score, MASKED: tl.constexpr, VARIANT: tl.constexpr):
+    """Base-2 logits of a tile of q.k products, masked to -inf where MASKED and invisible, and the
+    tanh of the softcap (for ``logits_grad``; unused without SOFTCAP).
+
+    ``score`` = (scale, softcap_log2, alibi_slope_log2): without SOFTCAP, scale is
+    softmax_scale * log2(e); with it, softmax_scale / softcap, and the capped logit is
+    softcap_log2 * tanh(qk * scale)."""
+    scale, softcap_log2, alibi_slope_log2 = score
+    if SOFTCAP & VARIANT:
+        capped = _tanh(qk * scale)
+        s = softcap_log2 * capped
+    else:
+        capped = qk
+        s = qk * scale
+    if ALIBI & VARIANT:
+        s = s - alibi_slope_log2 * tl.abs(q_idx + diag - k_idx).to(tl.float32)
+    if MASKED:
+        s = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT), s, float("-inf"))
+    return s, capped
+
+
+@triton.jit
+def logits_grad(ds, capped, VARIANT: tl.constexpr):
+    """Gradient with respect to q.k * softmax_scale of a loss whose gradient with respect to the
+    logits is ``ds``: the softcap's tanh' = 1 - tanh^2 (the scale is applied by the caller)."""
+    if SOFTCAP & VARIANT:
+        return ds * (1.0 - capped * capped)
+    else:
+        return ds
+
+
+@triton.jit
+def row_start(sink_log2, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
+    """Initial (running max, running sum) of a block of rows in base 2: (-inf, 0), or with SINKS
+    the sink logit itself, (sink, 1)."""
+    if SINKS & VARIANT:
+        return tl.full([BLOCK_M], 0.0, tl.float32) + sink_log2, tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
+
+
+@triton.jit
+def dropout_keep(q_idx, k_idx, dropout):
+    """Keep mask of dropout for pairs (q_idx, k_idx), broadcast from their indices.
+
+    ``dropout`` = (seed, row_counter, row_stride, threshold): pair (i, j) of a (batch, head)
+    draws Philox at counter row_counter + i * row_stride + j (the launcher's global numbering of
+    pairs, see options.py) and is kept iff its 31 high bits reach ``threshold`` = p * 2^31."""
+    seed, row_counter, row_stride, threshold = dropout
+    counter = row_counter + q_idx.to(tl.int64) * row_stride + k_idx
+    bits = tl.randint(seed, counter)
+    return (bits >> 1).to(tl.int32) >= threshold
+
+
+@triton.jit
+def head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, dropout_threshold, batch,
+                 head, num_heads, max_seqlen_q, max_seqlen_k, VARIANT: tl.constexpr):
+    """The per-(batch, head) options of a program: (score, dropout, sink_log2) for ``logits``,
+    ``dropout_keep`` and ``row_start``, loading only what VARIANT uses. Dropout's counters number
+    the pairs of every (batch, head) in a max_seqlen_q x max_seqlen_k block (options.py)."""
+    score_scale = tl.cast(score_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    slope_log2 = 0.0
+    sink_log2 = 0.0
+    seed = 0
+    row_counter = 0
+    if ALIBI & VARIANT:
+        slope_log2 = tl.load(AlibiSlopes + batch.to(tl.int64) * stride_alibi_b + head) * LOG2E
+    if SINKS & VARIANT:
+        sink_log2 = tl.load(Sinks + head).to(tl.float32) * LOG2E
+    if DROPOUT & VARIANT:
+        seed = tl.load(RngState)
+        row_counter = tl.load(RngState + 1) + (batch * num_heads + head).to(tl.int64) * max_seqlen_q * max_seqlen_k
+    score = (score_scale, tl.cast(softcap_log2, tl.float32), slope_log2)
+    return score, (seed, row_counter, max_seqlen_k, dropout_threshold), sink_log2
