@@ -6,10 +6,11 @@ mma.sync instructions in the PTX. Pointer and integer arguments are marked divis
 real launches specialise them (without that, every load compiles to scalar loads and the report
 says nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
 
-Usage: python benchmarks/resource_report.py [--causal] fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
+Usage: python benchmarks/resource_report.py [--variant causal,softcap,...] fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
        (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
        with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
-       loop, which reads through descriptors too; --causal for the causal kernels)
+       loop, which reads through descriptors too; --variant: the options compiled in, any of
+       causal, window, softcap, alibi, sinks, dropout)
 """
 
 import re
@@ -24,10 +25,14 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_attention_kernel import backward, configs, forward  # noqa: E402
+from flash_attention_kernel import backward, configs, forward, options  # noqa: E402
 
 KERNELS = {"fwd": forward._attn_fwd_kernel, "dkdv": backward._attn_bwd_dkdv_kernel, "dq": backward._attn_bwd_dq_kernel}
-STATS = ("Lse", "Delta", "DLse")
+STATS = ("Lse", "Delta", "DLse", "AlibiSlopes", "Sinks")
+SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_alibi_b")  # (no divisibility hint)
+FLOAT_ARGS = ("softmax_scale", "score_scale", "softcap_log2", "dropout_scale")
+VARIANT_BITS = {"window": options.MASK_LEFT | options.MASK_RIGHT, "causal": options.MASK_RIGHT,
+                "softcap": options.SOFTCAP, "alibi": options.ALIBI, "sinks": options.SINKS, "dropout": options.DROPOUT}
 
 
 def _signature(kernel, dtype, constexprs):
@@ -37,28 +42,31 @@ def _signature(kernel, dtype, constexprs):
             signature[name] = "constexpr"
         elif name.startswith("CuSeqlens"):
             signature[name] = "*i32"
+        elif name == "RngState":
+            signature[name] = "*i64"
         elif name[0].isupper():
             signature[name] = "*fp32" if name in STATS else f"*{dtype}"
-        elif name in ("qk_scale_log2", "softmax_scale"):
+        elif name in FLOAT_ARGS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
     return signature
 
 
-def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, causal=False,
+def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, variant=0,
            specialized=False):
     kernel = KERNELS[kernel_name]
     dim_a, dim_b = configs.head_dim_chunks(head_dim)
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
-                      BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal, IS_VARLEN=False,
+                      BLOCK_M=block_m, BLOCK_N=block_n, VARIANT=variant, IS_VARLEN=False,
                       PRECISION="ieee" if dtype == "fp32" else "tf32", USE_TMA=tma or specialized,
                       WARP_SPECIALIZE=specialized, CuSeqlensQ=None, CuSeqlensK=None,
                       COMPUTE_DELTA=not specialized, HAS_DLSE=False)  # (as dense launches set them)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = _signature(kernel, dtype, constexprs)
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-                 if signature[name] not in ("constexpr", "fp32") and not name.startswith("seqlen")}
+                 if signature[name] not in ("constexpr", "fp32") and not name.startswith("seqlen")
+                 and name not in SCALAR_OPTIONS}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=divisible),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
@@ -78,15 +86,19 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
 def main(argv):
     if len(argv) < 4:
         sys.exit(__doc__)
-    causal = "--causal" in argv
-    argv = [arg for arg in argv if arg != "--causal"]
+    variant = 0
+    if "--variant" in argv:
+        at = argv.index("--variant")
+        for name in argv[at + 1].split(","):
+            variant |= VARIANT_BITS[name]
+        argv = argv[:at] + argv[at + 2:]
     kernel_name, dtype, head_dim = argv[0], argv[1], int(argv[2])
     for config in argv[3:]:
         fields = config.split("x")
         block_m, block_n, num_warps, num_stages = map(int, fields[:4])
         try:
             result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, "tma" in fields[4:],
-                            causal, "ws" in fields[4:])
+                            variant, "ws" in fields[4:])
         except Exception as error:
             print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
             continue

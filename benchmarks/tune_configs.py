@@ -39,7 +39,7 @@ import triton.testing
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from flash_attention_kernel import attention_backward, attention_forward  # noqa: E402
+from flash_attention_kernel import AttentionOptions, attention_backward, attention_forward  # noqa: E402
 from flash_attention_kernel import configs  # noqa: E402
 from flash_attention_kernel import launch as launch_module  # noqa: E402
 
@@ -78,28 +78,25 @@ def _inputs(head_dim, seqlen, layout, dtype=torch.bfloat16):
 
 
 def _with_config(kernel, config, specialized):
-    """Make the launchers (``launch.launch_plan``) use ``config`` for ``kernel``, as its
+    """Make the launchers use ``config`` for ``kernel`` (configs.set_override), as its
     warp-specialised entry if ``specialized`` else as its plain one with warp specialisation off,
     and the table for the other kernels."""
+    configs.OVERRIDES.clear()
+    configs.set_override(kernel, config, specialized)
 
-    def plain(name, *args):
-        return config if name == kernel and not specialized else configs.tile_config(name, *args)
 
-    def warp_specialized(name, *args):
-        if name != kernel:
-            return configs.warp_specialized_config(name, *args)
-        return config if specialized else None
-
-    launch_module.tile_config = plain
-    launch_module.warp_specialized_config = warp_specialized
+def _options(head_dim, causal):
+    return AttentionOptions(head_dim ** -0.5, causal)
 
 
 def _current(kernel, head_dim, causal, seqlen, specialized):
     """The table's entry for the tuned kernel, as a tuple (None where it has no such entry)."""
+    configs.OVERRIDES.clear()
+    mask = _options(head_dim, causal).mask_kind
     if specialized:
-        config = configs.warp_specialized_config(kernel, head_dim, torch.bfloat16, False, causal, seqlen)
+        config = configs.warp_specialized_config(kernel, head_dim, torch.bfloat16, False, mask, seqlen)
     else:
-        config = configs.tile_config(kernel, head_dim, torch.bfloat16, False, causal, seqlen)
+        config = configs.tile_config(kernel, head_dim, torch.bfloat16, False, mask, seqlen)
     return astuple(config) if config is not None else None
 
 
@@ -108,16 +105,16 @@ def _takes_warp_specialization(kernel, head_dim, causal, tensors):
     q, k = tensors[:2]
     layout = launch_module.SequenceLayout.of(q, k)
     read = tensors[:3] if kernel == "fwd" else tensors
-    return launch_module.launch_plan(kernel, head_dim, q.dtype, causal, layout, False, *read)[1]
+    return launch_module.launch_plan(kernel, head_dim, q.dtype, _options(head_dim, causal), layout, False, *read)[1]
 
 
 def _run(kernel, head_dim, causal, tensors):
     q, k, v, dout = tensors
-    scale = head_dim ** -0.5
+    options = _options(head_dim, causal)
     if kernel == "fwd":
-        return lambda: attention_forward(q, k, v, scale, causal)
-    out, lse = attention_forward(q, k, v, scale, causal)
-    return lambda: attention_backward(dout, q, k, v, out, lse, scale, causal)
+        return lambda: attention_forward(q, k, v, options)
+    out, lse = attention_forward(q, k, v, options)
+    return lambda: attention_backward(dout, q, k, v, out, lse, options)[:3]
 
 
 def _compile_worker(jobs):

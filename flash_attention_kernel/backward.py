@@ -145,7 +145,6 @@ def _attn_bwd_dkdv_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     if start_n >= seqlen_k:  # varlen: the grid covers the longest sequence
         return
@@ -168,8 +167,7 @@ def _attn_bwd_dkdv_kernel(
     for group_member in range(GROUP_SIZE):
         head = kv_head * GROUP_SIZE + group_member
         score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
-                                         dropout_threshold, batch, head, tl.num_programs(1) * GROUP_SIZE,
-                                         max_seqlen_q, max_seqlen_k, VARIANT)
+                                         dropout_threshold, batch, head, tl.num_programs(1) * GROUP_SIZE, VARIANT)
         q_base = tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm)
         do_base = tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom)
         lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
@@ -256,7 +254,6 @@ def _attn_bwd_dq_kernel(
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
@@ -266,8 +263,7 @@ def _attn_bwd_dq_kernel(
     diag = seqlen_k - seqlen_q
     window = (window_left, window_right)
     score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
-                                     dropout_threshold, batch, head, tl.num_programs(1), max_seqlen_q, max_seqlen_k,
-                                     VARIANT)
+                                     dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
     offs_m = start_m + tl.arange(0, BLOCK_M)
 

@@ -104,7 +104,6 @@ def _attn_fwd_kernel(
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
@@ -114,8 +113,7 @@ def _attn_fwd_kernel(
     diag = seqlen_k - seqlen_q
     window = (window_left, window_right)
     score, dropout, sink_log2 = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
-                                             dropout_threshold, batch, head, tl.num_programs(1), max_seqlen_q,
-                                             max_seqlen_k, VARIANT)
+                                             dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
 
     q_base = tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)

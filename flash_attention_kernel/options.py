@@ -17,8 +17,8 @@ generator of the inputs' device (``draw_rng_state``), as a tensor on that device
 an ordinary random op, so torch.manual_seed reproduces a call, CUDA graph capture records it
 (each replay draws afresh, like PyTorch's own fused kernels), and torch.compile traces it. The
 kernels read the pair from memory; the backward gets the same tensor and regenerates the same
-mask. Pair (i, j) of query head h in batch entry b (sequence b for varlen) uses Philox counter
-offset + ((b * heads + h) * max_seqlen_q + i) * max_seqlen_k + j.
+mask. Pair (i, j) of query head h in batch entry b (sequence b for varlen) draws Philox keyed by
+the seed at counter (j, i, b * heads + h, offset mod 2^32) (scores.dropout_keep).
 """
 
 import inspect

@@ -41,7 +41,6 @@ def _attn_probs_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
     q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
     if start_m >= seqlen_q:
         return
@@ -49,8 +48,7 @@ def _attn_probs_kernel(
     kv_head = head // GROUP_SIZE
     diag = seqlen_k - seqlen_q
     score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
-                                     dropout_threshold, batch, head, tl.num_programs(1), max_seqlen_q, max_seqlen_k,
-                                     VARIANT)
+                                     dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
     q_a, q_b = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
                          seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     lse_log2 = load_row_stat(tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), start_m, seqlen_q,

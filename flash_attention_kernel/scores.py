@@ -12,8 +12,8 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
 * ALIBI: a bias -slope * |i + diag - j| added to the (capped) scaled scores.
 * SINKS: a per-head logit in every row's softmax denominator (the kernels start each row's
   running max and sum from it).
-* DROPOUT: a keep mask drawn from Philox, keyed by a seed, an offset and the pair's global index,
-  so that every kernel regenerates the same mask whatever its tiling.
+* DROPOUT: a keep mask drawn from Philox, keyed by a seed, an offset and the pair's (batch, head,
+  query, key) index, so that every kernel regenerates the same mask whatever its tiling.
 
 Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2.
 
@@ -162,34 +162,35 @@ def row_start(sink_log2, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
 
 @triton.jit
 def dropout_keep(q_idx, k_idx, dropout):
-    """Keep mask of dropout for pairs (q_idx, k_idx), broadcast from their indices.
+    """Keep mask of dropout for pairs (q_idx, k_idx) of one (batch, head), broadcast from their
+    indices.
 
-    ``dropout`` = (seed, row_counter, row_stride, threshold): pair (i, j) of a (batch, head)
-    draws Philox at counter row_counter + i * row_stride + j (the launcher's global numbering of
-    pairs, see options.py) and is kept iff its 31 high bits reach ``threshold`` = p * 2^31."""
-    seed, row_counter, row_stride, threshold = dropout
-    counter = row_counter + q_idx.to(tl.int64) * row_stride + k_idx
-    bits = tl.randint(seed, counter)
+    ``dropout`` = (seed, stream, offset, threshold): pair (i, j) draws Philox-4x32 (7 rounds,
+    which pass BigCrush) keyed by the 64-bit seed at counter (j, i, stream, offset), stream
+    numbering the (batch, head), and is kept iff the 31 high bits of the first output word reach
+    ``threshold`` = p * 2^31. The counter is 32-bit arithmetic on the indices, so no tile needs
+    64-bit products, and the mask does not depend on the tiling."""
+    seed, stream, offset, threshold = dropout
+    bits, _, _, _ = tl.philox(seed, k_idx, q_idx, stream, offset, 7)
     return (bits >> 1).to(tl.int32) >= threshold
 
 
 @triton.jit
 def head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, dropout_threshold, batch,
-                 head, num_heads, max_seqlen_q, max_seqlen_k, VARIANT: tl.constexpr):
+                 head, num_heads, VARIANT: tl.constexpr):
     """The per-(batch, head) options of a program: (score, dropout, sink_log2) for ``logits``,
-    ``dropout_keep`` and ``row_start``, loading only what VARIANT uses. Dropout's counters number
-    the pairs of every (batch, head) in a max_seqlen_q x max_seqlen_k block (options.py)."""
+    ``dropout_keep`` and ``row_start``, loading only what VARIANT uses."""
     score_scale = tl.cast(score_scale, tl.float32)  # torch.compile passes Python floats as fp64
     slope_log2 = 0.0
     sink_log2 = 0.0
     seed = 0
-    row_counter = 0
+    offset = 0
     if ALIBI & VARIANT:
         slope_log2 = tl.load(AlibiSlopes + batch.to(tl.int64) * stride_alibi_b + head) * LOG2E
     if SINKS & VARIANT:
         sink_log2 = tl.load(Sinks + head).to(tl.float32) * LOG2E
     if DROPOUT & VARIANT:
         seed = tl.load(RngState)
-        row_counter = tl.load(RngState + 1) + (batch * num_heads + head).to(tl.int64) * max_seqlen_q * max_seqlen_k
+        offset = (tl.load(RngState + 1) & 0xFFFFFFFF).to(tl.uint32)
     score = (score_scale, tl.cast(softcap_log2, tl.float32), slope_log2)
-    return score, (seed, row_counter, max_seqlen_k, dropout_threshold), sink_log2
+    return score, (seed, batch * num_heads + head, offset, dropout_threshold), sink_log2
