@@ -10,7 +10,7 @@ Usage: python benchmarks/resource_report.py [--variant causal,softcap,...] fwd b
        (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
        with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
        loop, which reads through descriptors too; --variant: the options compiled in, any of
-       causal, window, softcap, alibi, sinks, dropout)
+       causal, window, softcap, alibi, sinks, dropout, tanh_approx)
 """
 
 import re
@@ -32,7 +32,8 @@ STATS = ("Lse", "Delta", "DLse", "AlibiSlopes", "Sinks")
 SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_alibi_b")  # (no divisibility hint)
 FLOAT_ARGS = ("softmax_scale", "score_scale", "softcap_log2", "dropout_scale")
 VARIANT_BITS = {"window": options.MASK_LEFT | options.MASK_RIGHT, "causal": options.MASK_RIGHT,
-                "softcap": options.SOFTCAP, "alibi": options.ALIBI, "sinks": options.SINKS, "dropout": options.DROPOUT}
+                "softcap": options.SOFTCAP, "alibi": options.ALIBI, "sinks": options.SINKS, "dropout": options.DROPOUT,
+                "tanh_approx": options.TANH_APPROX}
 
 
 def _signature(kernel, dtype, constexprs):

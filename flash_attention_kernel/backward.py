@@ -11,7 +11,7 @@ the gradients are
     dS    = P * (dP - delta) * tanh'               (tanh' = 1 - tanh^2 of the softcap, else 1)
     dK    = softmax_scale * dS^T Q
     dQ    = softmax_scale * dS K
-    dsink = -sum over rows of exp(sink - lse) * delta     (attention sinks; a torch reduction)
+    dsink = -sum over rows of exp(sink - lse) * delta     (attention sinks; ``_sink_grad_kernel``)
 
 * delta comes first: from the dQ kernel's prologue, which then runs before the dK/dV kernel, or,
   where that prologue would slow the dQ kernel down (warp-specialised or varlen), from
@@ -34,8 +34,8 @@ import triton.language as tl
 
 from .configs import head_dim_chunks
 from .launch import (
-    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
-    precision_mode,
+    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
+    launch_plan, precision_mode,
 )
 from .options import LOG2E, AttentionOptions
 from .scores import (
@@ -95,12 +95,13 @@ def _store_row_delta(out_base, do_a, do_b, dlse_base, delta_base, start_m, strid
 def _dkdv_query_loop(
     dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b,
     q_base, do_base, q_descs, do_descs, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, q_start, q_end, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
+    start_n, q_start, q_end, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
     (rows = keys) so that every product lands directly in the key tile's accumulators."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(q_start, q_end, BLOCK_M):
         q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM,
                                   DIM_A, DIM_B, MASKED, USE_TMA)
@@ -113,7 +114,7 @@ def _dkdv_query_loop(
                                     DIM_A, DIM_B, MASKED, USE_TMA)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
-            keep_t = dropout_keep(offs_m, offs_n[:, None], dropout)
+            keep_t = dropout_keep(start_m + tl.arange(0, BLOCK_M), start_n, dropout, BLOCK_N, True)
             dv_a, dv_b = mma_into_head(tl.where(keep_t, p_t * dropout_scale, 0.0), do_a, do_b, dv_a, dv_b, DIM_B,
                                        PRECISION)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
@@ -152,7 +153,6 @@ def _attn_bwd_dkdv_kernel(
     diag = seqlen_k - seqlen_q
     window = (window_left, window_right)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
-    offs_n = start_n + tl.arange(0, BLOCK_N)
 
     k_a, k_b = load_tile(tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn), start_n,
                          stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True)
@@ -178,20 +178,20 @@ def _attn_bwd_dkdv_kernel(
             dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
                 dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base,
                 delta_base, stride_qm, stride_dom,
-                offs_n, lo, full_lo, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
-                BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
+                start_n, lo, full_lo, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
+                BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
             )
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
             dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
             stride_qm, stride_dom,
-            offs_n, full_lo, full_hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA,
+            start_n, full_lo, full_hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
+            BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA,
         )
         dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
             dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
             stride_qm, stride_dom,
-            offs_n, full_hi, hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
-            BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
+            start_n, full_hi, hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
+            BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
         )
 
     store_tile(tile_base(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn), dk_a * softmax_scale,
@@ -222,7 +222,7 @@ def _dq_key_loop(
         p = tl.exp2(s - lse_log2[:, None])
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
-            dp = tl.where(dropout_keep(offs_m[:, None], cols, dropout), dp * dropout_scale, 0.0)
+            dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), dp * dropout_scale, 0.0)
         ds = logits_grad(p * (dp - delta[:, None]), capped, VARIANT)
         if DIM_B > 0:
             dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
@@ -328,8 +328,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     has_dlse = dlse is not None
     if q.numel() == 0 or k.numel() == 0:  # nothing attends or nothing to attend to
-        delta = -dlse if has_dlse else torch.zeros_like(lse)  # (O = 0)
-        return dq.zero_(), dk.zero_(), dv.zero_(), _sink_grad(options, lse, delta)
+        delta = -dlse.contiguous() if has_dlse else torch.zeros_like(lse)  # (O = 0)
+        return dq.zero_(), dk.zero_(), dv.zero_(), _sink_grad(options, lse, delta, wrap_kernel)
     num_heads, head_dim = q.shape[-2:]
     num_heads_kv = k.shape[-2]
     delta = layout.new_row_stats(q)
@@ -337,7 +337,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
     common = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, IS_VARLEN=layout.is_varlen)
-    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, VARIANT=options.variant,
+    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, VARIANT=kernel_variant(options, q.dtype, interpreted),
                   PRECISION=precision_mode(q.dtype, interpreted))
     option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
 
@@ -381,18 +381,39 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     )
     if not delta_in_dq:
         launch_dq()
-    return dq, dk, dv, _sink_grad(options, lse, delta)
+    return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)
 
 
-def _sink_grad(options: AttentionOptions, lse, delta):
-    """d loss / d sink of each head: -sum over rows of P_sink * delta, with P_sink = exp(sink - lse)
-    (0 on rows with lse = +inf). A fixed-shape torch reduction, so bitwise repeatable."""
+@triton.jit
+def _sink_grad_kernel(Lse, Delta, Sinks, DSinks, stride_b, stride_h, num_batches, num_rows, BLOCK: tl.constexpr):
+    """d loss / d sink of one head (grid axis 0): -sum over its rows of exp(sink - lse) * delta
+    (0 on rows with lse = +inf), summed in a fixed order, so bitwise repeatable."""
+    head = tl.program_id(0)
+    sink = tl.load(Sinks + head).to(tl.float32)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for batch in range(num_batches):
+        base = tl.cast(batch, tl.int64) * stride_b + head.to(tl.int64) * stride_h
+        for start in range(0, num_rows, BLOCK):
+            rows = start + tl.arange(0, BLOCK)
+            lse = tl.load(Lse + base + rows, mask=rows < num_rows, other=float("inf"))
+            delta = tl.load(Delta + base + rows, mask=rows < num_rows, other=0.0)
+            total += tl.exp(sink - lse) * delta
+    tl.store(DSinks + head, (-tl.sum(total, 0)).to(DSinks.dtype.element_ty))
+
+
+def _sink_grad(options: AttentionOptions, lse, delta, wrap_kernel):
+    """The sinks' gradient (``_sink_grad_kernel``), None without sinks. lse and delta are
+    contiguous, (batch, heads, seqlen_q) or, varlen, (heads, total_q). A kernel rather than a torch
+    reduction, whose summation order torch.compile may change."""
     if options.sinks is None:
         return None
-    heads_axis = 0 if lse.dim() == 2 else 1  # varlen (heads, total_q), dense (batch, heads, seqlen_q)
-    shape = [1] * lse.dim()
-    shape[heads_axis] = -1
-    sink = options.sinks.float().view(shape)
-    terms = torch.exp(sink - lse) * delta
-    other_axes = [axis for axis in range(lse.dim()) if axis != heads_axis]
-    return (-terms.sum(dim=other_axes)).to(options.sinks.dtype)
+    dsinks = torch.empty_like(options.sinks)
+    if dsinks.numel() == 0:
+        return dsinks
+    if lse.dim() == 2:
+        stride_b, stride_h, num_batches, num_rows = 0, lse.stride(0), 1, lse.shape[1]
+    else:
+        stride_b, stride_h, num_batches, num_rows = lse.stride(0), lse.stride(1), lse.shape[0], lse.shape[2]
+    wrap_kernel(_sink_grad_kernel)[(dsinks.numel(),)](lse, delta, options.sinks, dsinks, stride_b, stride_h,
+                                                       num_batches, num_rows, BLOCK=256)
+    return dsinks

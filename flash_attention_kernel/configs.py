@@ -150,6 +150,14 @@ _GPU_WARP_SPECIALIZED = {
     ("bwd_dq", 128, "none"): (TileConfig(128, 128, 8, 2, tma=True), 4096),
 }
 
+# With dropout the keep mask passes through shared memory on its way to the matmul layout
+# (scores.dropout_keep: join + reshape), 8-16 KB more per program: entries that no longer fit the
+# H200's 227 KB take these instead, whatever the mask (benchmarks/resource_report.py --variant dropout).
+_GPU_DROPOUT = {
+    ("fwd", 128): TileConfig(128, 64, 8, 3),
+    ("bwd_dq", 256): TileConfig(128, 32, 8, 2),
+}
+
 # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
 # registers: small tiles keep them out of local memory (benchmarks/resource_report.py).
 _GPU_FP32 = {
@@ -175,15 +183,15 @@ def set_override(kernel: str, config: Optional[TileConfig], warp_specialized: bo
 
 
 def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str = "none",
-                seqlen: int = 0) -> TileConfig:
+                seqlen: int = 0, dropout: bool = False) -> TileConfig:
     """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``, for a problem with
-    ``mask`` ("none", "causal" or "window": options.AttentionOptions.mask_kind) whose longest
-    sequence has ``seqlen`` rows."""
+    ``mask`` ("none", "causal" or "window": options.AttentionOptions.mask_kind), with or without
+    dropout, whose longest sequence has ``seqlen`` rows."""
     if kernel in OVERRIDES and not OVERRIDES[kernel][1]:
         return OVERRIDES[kernel][0]
     # int/bool: under torch.compile's dynamic shapes these may be symbolic (then specialised here)
     bucket = next((bucket for bucket in SEQLEN_BUCKETS if bool(seqlen <= bucket)), None)
-    return _table_entry(kernel, int(head_dim), dtype, interpreted, mask, bucket)
+    return _table_entry(kernel, int(head_dim), dtype, interpreted, mask, bucket, bool(dropout))
 
 
 def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str,
@@ -212,13 +220,17 @@ def _warp_specialized_entry(kernel: str, head_dim: int, dtype: torch.dtype, mask
 
 @functools.lru_cache(maxsize=None)  # a lookup per launch: keep it off the host's critical path
 def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str,
-                 bucket: Optional[int]) -> TileConfig:
+                 bucket: Optional[int], dropout: bool) -> TileConfig:
     if interpreted:
         return _INTERPRETER[kernel]
     padded = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return (_GPU_FP32_HEAD_DIM_256 if padded == 256 else _GPU_FP32)[kernel]
     width = sum(head_dim_chunks(head_dim))
+    if dropout:
+        for key in ((kernel, width), (kernel, padded)):
+            if key in _GPU_DROPOUT:
+                return _GPU_DROPOUT[key]
     for key_mask in dict.fromkeys((mask, _FALLBACK_MASK.get(mask, mask))):
         if (kernel, width, key_mask) in _GPU_SHORT.get(bucket, {}):
             return _GPU_SHORT[bucket][(kernel, width, key_mask)]

@@ -34,8 +34,8 @@ import triton.language as tl
 
 from .configs import head_dim_chunks
 from .launch import (
-    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, last_dim_contiguous, launch_plan,
-    precision_mode,
+    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
+    launch_plan, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import (
@@ -72,7 +72,7 @@ def _fwd_key_loop(
         alpha = tl.exp2(row_max - pivot)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         if DROPOUT & VARIANT:
-            p = tl.where(dropout_keep(offs_m[:, None], cols, dropout), p, 0.0)
+            p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), p, 0.0)
         v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                   MASKED, USE_TMA)
         acc_a = acc_a * alpha[:, None]
@@ -195,7 +195,8 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
         *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out), *layout.stat_strides(lse),
         *layout.seqlens(), *options.kernel_args(q),
         GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
-        VARIANT=options.variant, IS_VARLEN=layout.is_varlen, PRECISION=precision_mode(q.dtype, interpreted),
+        VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
+        PRECISION=precision_mode(q.dtype, interpreted),
         USE_TMA=tma, WARP_SPECIALIZE=specialized,
         **config.launch_args(),
     )

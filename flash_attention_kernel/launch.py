@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import head_dim_chunks, tile_config, warp_specialized_config
-from .options import AttentionOptions
+from .options import TANH_APPROX, AttentionOptions
 
 
 def identity_wrap(kernel):
@@ -67,7 +67,7 @@ def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: Attenti
     if config is not None and warp_specialize(layout.seqlen_k % config.block_n == 0, interpreted, options, layout,
                                               head_dim, *tensors):
         return config, True, True
-    config = tile_config(kernel, head_dim, dtype, interpreted, mask, seqlen)
+    config = tile_config(kernel, head_dim, dtype, interpreted, mask, seqlen, options.dropout_p > 0)
     [tma] = use_tma([config.tma], interpreted, *tensors)
     return config, False, tma
 
@@ -152,6 +152,17 @@ def ensure_scratch_allocator() -> None:
     current = getattr(_allocation, "_allocator", None)
     if current is None or isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
+
+
+def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: bool) -> int:
+    """The VARIANT constexpr of a launch: the options' bits, plus TANH_APPROX where a softcap on
+    2-byte inputs runs compiled (the GPU's tanh.approx.f32 costs one special-function op where the
+    exact form costs three; its 2^-11 relative error sits below fp16/bf16 rounding). fp32 inputs
+    and the interpreter keep the exact form."""
+    variant = options.variant
+    if options.softcap > 0 and dtype != torch.float32 and not interpreted:
+        variant |= TANH_APPROX
+    return variant
 
 
 def precision_mode(dtype: torch.dtype, interpreted: bool) -> str:

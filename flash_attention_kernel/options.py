@@ -18,7 +18,8 @@ an ordinary random op, so torch.manual_seed reproduces a call, CUDA graph captur
 (each replay draws afresh, like PyTorch's own fused kernels), and torch.compile traces it. The
 kernels read the pair from memory; the backward gets the same tensor and regenerates the same
 mask. Pair (i, j) of query head h in batch entry b (sequence b for varlen) draws Philox keyed by
-the seed at counter (j, i, b * heads + h, offset mod 2^32) (scores.dropout_keep).
+the seed at counter (j // 8, i, b * heads + h, offset mod 2^32), and one call serves the 8 keys
+of a group (scores.dropout_keep).
 """
 
 import inspect
@@ -31,7 +32,7 @@ import torch
 LOG2E = math.log2(math.e)
 
 # VARIANT bits (scores.py holds the same values as constexprs)
-MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT = 1, 2, 4, 8, 16, 32
+MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX = 1, 2, 4, 8, 16, 32, 64
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class AttentionOptions:
             score_scale, softcap_log2 = self.softmax_scale * LOG2E, 0.0
         slopes = self.alibi_slopes
         stride_alibi_b = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
-        threshold = min(int(round(self.dropout_p * 2 ** 31)), 2 ** 31 - 1)
+        threshold = min(int(round(self.dropout_p * 2 ** 16)), 2 ** 16 - 1)  # (scores.dropout_keep)
         return (
             stand_in if slopes is None else slopes, stride_alibi_b,
             stand_in if self.sinks is None else self.sinks,

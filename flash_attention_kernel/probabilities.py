@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 from .configs import head_dim_chunks
-from .launch import SequenceLayout, identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .launch import (
+    SequenceLayout, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous, precision_mode,
+)
 from .options import LOG2E, AttentionOptions
 from .scores import dropout_keep, head_options, logits
 from .tiles import load_row_stat, load_tile, mma_over_head, sequence_span, tile_base
@@ -47,7 +49,7 @@ def _attn_probs_kernel(
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     diag = seqlen_k - seqlen_q
-    score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
+    score, dropout, sink_log2 = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
                                      dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
     q_a, q_b = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
                          seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
@@ -60,10 +62,10 @@ def _attn_probs_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_a, k_b = load_tile(k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True)
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
-        s, _ = logits(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, (window_left, window_right), score, True,
-                      VARIANT)
+        s, capped = logits(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, (window_left, window_right), score,
+                           True, VARIANT)
         p = tl.exp2(s - lse_log2[:, None])
-        p = tl.where(dropout_keep(offs_m[:, None], offs_n[None, :], dropout), p, p * -1.0)  # (-0.0 for 0, unlike 0 - p)
+        p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), p, p * -1.0)  # (-0.0 for 0, unlike 0 - p)
         ptrs = probs_base + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
         tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
 
@@ -86,7 +88,7 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
         *layout.strides(q), *layout.strides(k), *layout.stat_strides(lse), *probs.stride()[:3],
         *layout.seqlens(), *options.kernel_args(q),
         GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, BLOCK_M=block_m,
-        BLOCK_N=block_n, VARIANT=options.variant, IS_VARLEN=layout.is_varlen,
+        BLOCK_N=block_n, VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
         PRECISION=precision_mode(q.dtype, interpreted),
     )
     return probs

@@ -14,6 +14,7 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
   running max and sum from it).
 * DROPOUT: a keep mask drawn from Philox, keyed by a seed, an offset and the pair's (batch, head,
   query, key) index, so that every kernel regenerates the same mask whatever its tiling.
+* TANH_APPROX: the softcap's tanh through the GPU's approximate instruction (2-byte inputs).
 
 Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2.
 
@@ -33,6 +34,7 @@ SOFTCAP = tl.constexpr(4)
 ALIBI = tl.constexpr(8)
 SINKS = tl.constexpr(16)
 DROPOUT = tl.constexpr(32)
+TANH_APPROX = tl.constexpr(64)  # the softcap's tanh through the GPU's tanh.approx.f32 (launch.kernel_variant)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -110,12 +112,18 @@ def visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp2 (the interpreter has no libdevice): (1 - e) / (1 + e) with e = exp(-2|x|),
-    which neither overflows nor loses the sign."""
-    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+def _tanh(x, VARIANT: tl.constexpr):
+    """tanh: with TANH_APPROX the GPU's tanh.approx.f32 (one special-function op, relative error
+    2^-11, flash-attn's choice for 2-byte inputs); else from exp2 (the interpreter has neither
+    libdevice nor PTX): (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor
+    loses the sign, accurate to a few fp32 ulps."""
+    if TANH_APPROX & VARIANT:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+        t = tl.fdiv(1.0 - e, 1.0 + e)
+        return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -125,16 +133,18 @@ def logits(qk, q_idx, k_idx, seqlen_k, diag, window, score, MASKED: tl.constexpr
 
     ``score`` = (scale, softcap_log2, alibi_slope_log2): without SOFTCAP, scale is
     softmax_scale * log2(e); with it, softmax_scale / softcap, and the capped logit is
-    softcap_log2 * tanh(qk * scale)."""
+    softcap_log2 * tanh(qk * scale). ALiBi's distance is formed in fp32 from the fp32 row and
+    column indices, exact below 2^24, so each element costs a subtraction and a multiply-add."""
     scale, softcap_log2, alibi_slope_log2 = score
     if SOFTCAP & VARIANT:
-        capped = _tanh(qk * scale)
+        capped = _tanh(qk * scale, VARIANT)
         s = softcap_log2 * capped
     else:
         capped = qk
         s = qk * scale
     if ALIBI & VARIANT:
-        s = s - alibi_slope_log2 * tl.abs(q_idx + diag - k_idx).to(tl.float32)
+        distance = (q_idx + diag).to(tl.float32) - k_idx.to(tl.float32)
+        s = s - alibi_slope_log2 * tl.abs(distance)
     if MASKED:
         s = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT), s, float("-inf"))
     return s, capped
@@ -161,18 +171,28 @@ def row_start(sink_log2, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(q_idx, k_idx, dropout):
-    """Keep mask of dropout for pairs (q_idx, k_idx) of one (batch, head), broadcast from their
-    indices.
+def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Dropout's keep mask of query rows ``offs_m`` x keys [start_n, start_n + BLOCK_N) of one
+    (batch, head): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with KEYS_FIRST (the dK/dV kernel's
+    transposed tiles).
 
-    ``dropout`` = (seed, stream, offset, threshold): pair (i, j) draws Philox-4x32 (7 rounds,
-    which pass BigCrush) keyed by the 64-bit seed at counter (j, i, stream, offset), stream
-    numbering the (batch, head), and is kept iff the 31 high bits of the first output word reach
-    ``threshold`` = p * 2^31. The counter is 32-bit arithmetic on the indices, so no tile needs
-    64-bit products, and the mask does not depend on the tiling."""
+    ``dropout`` = (seed, stream, offset, threshold). One Philox-4x32 call (7 rounds, which pass
+    BigCrush) keyed by the 64-bit seed at counter (key // 8, query, stream, offset), stream
+    numbering the (batch, head), gives 128 bits: eight 16-bit draws, one for each of the 8 keys of
+    the group, and a pair is kept iff its draw reaches ``threshold`` = p * 2^16 (so p is
+    quantised to 2^-16; flash-attn's CUDA kernels quantise to 2^-8). Eight draws per call make
+    the generator cheap next to the matmuls; the counters are 32-bit index arithmetic, and the
+    draw of a pair depends only on its indices, never on the tiling."""
     seed, stream, offset, threshold = dropout
-    bits, _, _, _ = tl.philox(seed, k_idx, q_idx, stream, offset, 7)
-    return (bits >> 1).to(tl.int32) >= threshold
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    r0, r1, r2, r3 = tl.philox(seed, groups[None, :], offs_m[:, None], stream, offset, 7)
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_M, BLOCK_N // 8, 2, 2]
+    draws = tl.join((words & 0xFFFF).to(tl.int32), (words >> 16).to(tl.int32))
+    keep = tl.reshape(draws, [offs_m.shape[0], BLOCK_N]) >= threshold
+    if KEYS_FIRST:
+        return tl.trans(keep)
+    else:
+        return keep
 
 
 @triton.jit

@@ -23,6 +23,44 @@ def _call(fa, q=None, k=None, v=None, **kwargs):
     return fa.flash_attn_func(q, k, v, **kwargs)
 
 
+# A device other than q's (meta on CPU runs, the CPU on GPU runs).
+OTHER_DEVICE = "cpu" if ON_GPU else "meta"
+
+# Bad attention options, for q (2, 17, 4, 64), k and v (2, 23, 2, 64) (dense) or two sequences of
+# q (12, 4, 64) (varlen): flash-attn 2.8's checks, each naming the argument.
+OPTION_CASES = {
+    "dropout 1.5": (dict(dropout_p=1.5), ValueError, r"dropout_p"),
+    "dropout 1": (dict(dropout_p=1.0), ValueError, r"dropout_p"),
+    "dropout negative": (dict(dropout_p=-0.1), ValueError, r"dropout_p"),
+    "window one value": (dict(window_size=(4,)), ValueError, r"window_size"),
+    "window three values": (dict(window_size=(4, 0, 1)), ValueError, r"window_size"),
+    "window int": (dict(window_size=4), ValueError, r"window_size"),
+    "window None": (dict(window_size=None), ValueError, r"window_size"),
+    "window floats": (dict(window_size=(1.5, 2.0)), ValueError, r"window_size"),
+    "window left < -1": (dict(window_size=(-2, 0)), ValueError, r"window_size"),
+    "window right < -1": (dict(window_size=(0, -5)), ValueError, r"window_size"),
+    "window float tensor": (dict(window_size=torch.tensor([1.0, 2.0])), ValueError, r"window_size"),
+    "window 3-element tensor": (dict(window_size=torch.tensor([1, 2, 3])), ValueError, r"window_size"),
+    "window tensor < -1": (dict(window_size=torch.tensor([-3, 0])), ValueError, r"window_size"),
+    "softcap negative": (dict(softcap=-1.0), ValueError, r"softcap"),
+    "softcap string": (dict(softcap="30"), ValueError, r"softcap"),
+    "softcap None": (dict(softcap=None), ValueError, r"softcap"),
+    "alibi float16": (dict(alibi_slopes=torch.ones(4, dtype=torch.float16, device=DEVICE)), TypeError,
+                      r"alibi_slopes"),
+    "alibi float64": (dict(alibi_slopes=torch.ones(4, dtype=torch.float64, device=DEVICE)), TypeError,
+                      r"alibi_slopes"),
+    "alibi int": (dict(alibi_slopes=torch.ones(4, dtype=torch.int32, device=DEVICE)), TypeError, r"alibi_slopes"),
+    "alibi too few heads": (dict(alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, r"alibi_slopes"),
+    "alibi wrong batch": (dict(alibi_slopes=torch.ones(3, 4, device=DEVICE)), ValueError, r"alibi_slopes"),
+    "alibi 3-D": (dict(alibi_slopes=torch.ones(2, 4, 1, device=DEVICE)), ValueError, r"alibi_slopes"),
+    "alibi wrong device": (dict(alibi_slopes=torch.ones(4, device=OTHER_DEVICE)), ValueError, r"alibi_slopes"),
+    "s_aux too few heads": (dict(s_aux=torch.zeros(3, device=DEVICE)), ValueError, r"s_aux"),
+    "s_aux 2-D": (dict(s_aux=torch.zeros(1, 4, device=DEVICE)), ValueError, r"s_aux"),
+    "s_aux 0-D": (dict(s_aux=torch.tensor(0.0, device=DEVICE)), ValueError, r"s_aux"),
+    "s_aux int": (dict(s_aux=torch.zeros(4, dtype=torch.int32, device=DEVICE)), TypeError, r"s_aux"),
+    "s_aux bool": (dict(s_aux=torch.zeros(4, dtype=torch.bool, device=DEVICE)), TypeError, r"s_aux"),
+}
+
 CASES = {
     "q not a tensor": (dict(q=[[1.0]]), TypeError, r"q must be a torch.Tensor"),
     "q rank 3": (dict(q=_t(2, 17, 64)), ValueError, r"q must have 4 dims \(batch, seqlen, nheads, headdim\)"),
@@ -41,13 +79,7 @@ CASES = {
                             r"number of query heads \(4\) must be a multiple of the number of key/value heads \(3\)"),
     "softmax_scale nan": (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite number"),
     "softmax_scale string": (dict(softmax_scale="0.1"), ValueError, r"softmax_scale must be a finite number"),
-    "dropout out of range": (dict(dropout_p=1.5), ValueError, r"dropout_p must be a number in \[0, 1\)"),
-    "dropout": (dict(dropout_p=0.1), NotImplementedError, r"dropout_p"),
-    "window malformed": (dict(window_size=(4,)), ValueError, r"window_size must be a pair"),
-    "window": (dict(window_size=(16, 0)), NotImplementedError, r"window_size"),
-    "softcap negative": (dict(softcap=-1.0), ValueError, r"softcap must be a number >= 0"),
-    "softcap": (dict(softcap=30.0), NotImplementedError, r"softcap"),
-    "alibi": (dict(alibi_slopes=torch.ones(2, 4)), NotImplementedError, r"alibi_slopes"),
+    **OPTION_CASES,
 }
 
 
@@ -79,7 +111,9 @@ VARLEN_CASES = {
     "max_seqlen float": (dict(max_seqlen_q=9.0), ValueError, r"max_seqlen_q must be a non-negative int"),
     "max_seqlen negative": (dict(max_seqlen_k=-1), ValueError, r"max_seqlen_k must be a non-negative int"),
     "block_table": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, r"block_table"),
-    "softcap": (dict(softcap=5.0), NotImplementedError, r"softcap"),
+    "block_table with options": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32), softcap=5.0,
+                                      window_size=(4, 0)), NotImplementedError, r"block_table"),
+    **OPTION_CASES,
 }
 
 
@@ -102,6 +136,62 @@ def test_varlen_debug_checks(fa, monkeypatch, cu_seqlens, max_seqlen, message):
     monkeypatch.setenv("FLASH_ATTENTION_CHECK_INPUTS", "1")
     with pytest.raises(ValueError, match=message):
         _varlen_call(fa, cu_seqlens_q=cu, max_seqlen_q=max_seqlen)
+
+
+# Option values flash-attn 2.8 accepts (with an int tensor window as its own tests pass one).
+GOOD_OPTIONS = {
+    "window tensor": dict(window_size=torch.tensor([3, 0])),
+    "window int32 tensor": dict(window_size=torch.tensor([3, 0], dtype=torch.int32)),
+    "window list": dict(window_size=[3, 0]),
+    "window -1": dict(window_size=(-1, 2)),
+    "deterministic": dict(deterministic=True),
+    "not deterministic": dict(deterministic=False),
+    "int dropout 0": dict(dropout_p=0),
+    "int softcap": dict(softcap=5),
+    "softcap 0": dict(softcap=0.0),
+    "alibi (nheads,)": dict(alibi_slopes=torch.full((4,), 0.1, device=DEVICE)),
+    "alibi (batch, nheads)": dict(alibi_slopes=torch.full((2, 4), 0.1, device=DEVICE)),
+    "s_aux fp32": dict(s_aux=torch.zeros(4, device=DEVICE)),
+    "s_aux bf16": dict(s_aux=torch.zeros(4, device=DEVICE, dtype=torch.bfloat16)),
+    "s_aux fp16 requires grad": dict(s_aux=torch.zeros(4, device=DEVICE, dtype=torch.float16, requires_grad=True)),
+    "dropout": dict(dropout_p=0.5, return_attn_probs=True),
+}
+
+
+@pytest.mark.parametrize("case", list(GOOD_OPTIONS))
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_accepted_options(fa, varlen, case):
+    """Valid option values run: an int tensor window gives the tuple's bits; deterministic is taken."""
+    kwargs = GOOD_OPTIONS[case]
+    call = _varlen_call if varlen else _call
+    torch.manual_seed(0)
+    result = call(fa, **kwargs)
+    out = result[0] if isinstance(result, tuple) else result
+    assert torch.isfinite(out).all()
+    if "window_size" in kwargs:
+        torch.manual_seed(0)
+        assert torch.equal(out, call(fa, window_size=tuple(int(w) for w in kwargs["window_size"])))
+
+
+@pytest.mark.parametrize("fn, extra, kwargs, error, message", [
+    ("flash_attn_qkvpacked_func", lambda: (_t(2, 17, 3, 4, 64),), dict(s_aux=torch.zeros(3, device=DEVICE)),
+     ValueError, r"s_aux"),
+    ("flash_attn_kvpacked_func", lambda: (_t(2, 17, 4, 64), _t(2, 17, 2, 2, 64)), dict(window_size=(-2, 0)),
+     ValueError, r"window_size"),
+    ("flash_attn_kvpacked_func", lambda: (_t(2, 17, 4, 64), _t(2, 17, 2, 2, 64)),
+     dict(alibi_slopes=torch.ones(4, dtype=torch.float16, device=DEVICE)), TypeError, r"alibi_slopes"),
+    ("flash_attn_varlen_qkvpacked_func",
+     lambda: (_t(12, 3, 4, 64), torch.tensor([0, 12], dtype=torch.int32, device=DEVICE), 12),
+     dict(softcap=-2.0), ValueError, r"softcap"),
+    ("flash_attn_varlen_kvpacked_func",
+     lambda: (_t(12, 4, 64), _t(12, 2, 2, 64), *(torch.tensor([0, 12], dtype=torch.int32, device=DEVICE),) * 2,
+              12, 12),
+     dict(dropout_p=1.0), ValueError, r"dropout_p"),
+])
+def test_bad_packed_options(fa, fn, extra, kwargs, error, message):
+    """The packed functions check their options like the unpacked ones."""
+    with pytest.raises(error, match=message):
+        getattr(fa, fn)(*extra(), **kwargs)
 
 
 def test_max_seqlen_zero_dim_tensor(fa):
