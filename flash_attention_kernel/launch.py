@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import head_dim_chunks, tile_config, warp_specialized_config
-from .options import TANH_APPROX, AttentionOptions
+from .options import ALIBI, SINKS, SOFTCAP, TANH_APPROX, AttentionOptions
 
 
 def identity_wrap(kernel):
@@ -53,6 +53,8 @@ def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
 # H200 with the GPU test suite (benchmarks/NOTES.md, v6). Triton 3.6 miscompiles other shapes of
 # the same loop silently (v5), so an unchecked version keeps the plain pipelined loop.
 WARP_SPECIALIZATION_CHECKED = ("3.6.",)
+# Options whose kernels keep the warp-specialised loop's shape (tests/test_warp_specialization.py)
+WARP_SPECIALIZABLE = SOFTCAP | ALIBI | SINKS
 
 
 def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: AttentionOptions, layout: "SequenceLayout",
@@ -78,17 +80,19 @@ def warp_specialize(tiles_full: bool, interpreted: bool, options: AttentionOptio
     engine while the others compute; ``tl.range(..., warp_specialize=True)``), given that the
     config table has a warp-specialised entry for it.
 
-    Only for the one loop shape Triton compiles correctly: dense, no option beyond the scale (no
-    mask, softcap, bias, sinks or dropout), every tile of the loop full (``tiles_full``: its
-    sequence length a multiple of the tile, so no tile needs a mask), the head dim exactly its
-    chunks (no padding), and the tensors readable through ``tiles.tensor_tile_descriptors``.
+    Only for the one loop shape Triton compiles correctly: dense, no mask and no dropout (softcap,
+    ALiBi and sinks change the scores or the row's start, not the loop), every tile of the loop
+    full (``tiles_full``: its sequence length a multiple of the tile, so no tile needs a mask), the
+    head dim exactly its chunks (no padding), and the tensors readable through
+    ``tiles.tensor_tile_descriptors``.
     FLASH_ATTENTION_WS=0 turns it off, "1" on wherever those hold, the CPU interpreter and any
     Triton included (the interpreter runs the same code without warp specialisation; the tests use
     it to cover this path without a GPU); unset, it runs compiled on Hopper (sm_90) with a Triton
     version in WARP_SPECIALIZATION_CHECKED. It needs tensor descriptors, so FLASH_ATTENTION_TMA=0
     turns it off too.
     """
-    if options.variant or layout.is_varlen or not tiles_full or head_dim != sum(head_dim_chunks(head_dim)):
+    if (options.variant & ~WARP_SPECIALIZABLE or layout.is_varlen or not tiles_full
+            or head_dim != sum(head_dim_chunks(head_dim))):
         return False
     setting = os.environ.get("FLASH_ATTENTION_WS", "")
     if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":

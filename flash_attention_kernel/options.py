@@ -18,8 +18,8 @@ an ordinary random op, so torch.manual_seed reproduces a call, CUDA graph captur
 (each replay draws afresh, like PyTorch's own fused kernels), and torch.compile traces it. The
 kernels read the pair from memory; the backward gets the same tensor and regenerates the same
 mask. Pair (i, j) of query head h in batch entry b (sequence b for varlen) draws Philox keyed by
-the seed at counter (j // 8, i, b * heads + h, offset mod 2^32), and one call serves the 8 keys
-of a group (scores.dropout_keep).
+the seed at counter (j // 16, i, b * heads + h, offset mod 2^32), and one call serves the 16
+keys of a group with 8-bit draws (scores.dropout_keep).
 """
 
 import inspect
@@ -112,7 +112,7 @@ class AttentionOptions:
             score_scale, softcap_log2 = self.softmax_scale * LOG2E, 0.0
         slopes = self.alibi_slopes
         stride_alibi_b = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
-        threshold = min(int(round(self.dropout_p * 2 ** 16)), 2 ** 16 - 1)  # (scores.dropout_keep)
+        threshold = min(int(round(self.dropout_p * 256)), 255)  # (scores.dropout_keep)
         return (
             stand_in if slopes is None else slopes, stride_alibi_b,
             stand_in if self.sinks is None else self.sinks,

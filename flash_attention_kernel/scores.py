@@ -177,17 +177,19 @@ def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl
     transposed tiles).
 
     ``dropout`` = (seed, stream, offset, threshold). One Philox-4x32 call (7 rounds, which pass
-    BigCrush) keyed by the 64-bit seed at counter (key // 8, query, stream, offset), stream
-    numbering the (batch, head), gives 128 bits: eight 16-bit draws, one for each of the 8 keys of
-    the group, and a pair is kept iff its draw reaches ``threshold`` = p * 2^16 (so p is
-    quantised to 2^-16; flash-attn's CUDA kernels quantise to 2^-8). Eight draws per call make
-    the generator cheap next to the matmuls; the counters are 32-bit index arithmetic, and the
-    draw of a pair depends only on its indices, never on the tiling."""
+    BigCrush) keyed by the 64-bit seed at counter (key // 16, query, stream, offset), stream
+    numbering the (batch, head), gives 128 bits: sixteen 8-bit draws, one for each of the 16 keys
+    of the group, and a pair is kept iff its draw reaches ``threshold`` = round(p * 256), as in
+    flash-attn's CUDA kernels (p is quantised to 1/256; the output is still scaled by
+    1 / (1 - p)). Sixteen draws per call keep the generator cheap next to the matmuls; the
+    counters are 32-bit index arithmetic, and the draw of a pair depends only on its indices,
+    never on the tiling."""
     seed, stream, offset, threshold = dropout
-    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    groups = start_n // 16 + tl.arange(0, BLOCK_N // 16)
     r0, r1, r2, r3 = tl.philox(seed, groups[None, :], offs_m[:, None], stream, offset, 7)
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_M, BLOCK_N // 8, 2, 2]
-    draws = tl.join((words & 0xFFFF).to(tl.int32), (words >> 16).to(tl.int32))
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_M, BLOCK_N // 16, 2, 2]
+    halves = tl.join(words & 0xFFFF, words >> 16)
+    draws = tl.join((halves & 0xFF).to(tl.int32), (halves >> 8).to(tl.int32))
     keep = tl.reshape(draws, [offs_m.shape[0], BLOCK_N]) >= threshold
     if KEYS_FIRST:
         return tl.trans(keep)

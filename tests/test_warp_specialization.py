@@ -27,12 +27,12 @@ def _descriptors_possible():
     return not ON_GPU or torch.cuda.get_device_capability()[0] >= 9
 
 
-def _specialized(fa, q, k, v, causal=False, layout=None, kernel="fwd"):
+def _specialized(fa, q, k, v, causal=False, layout=None, kernel="fwd", **options):
     """Whether ``kernel`` runs warp-specialised on these inputs (launch.launch_plan, as the
-    launchers call it)."""
+    launchers call it); ``options``: AttentionOptions' keywords."""
     launch = fa.flash_attention_kernel.launch
     layout = layout or launch.SequenceLayout.of(q, k)
-    options = fa.flash_attention_kernel.AttentionOptions(q.shape[-1] ** -0.5, causal)
+    options = fa.flash_attention_kernel.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
     return launch.launch_plan(kernel, q.shape[-1], q.dtype, options, layout, not ON_GPU, q, k, v)[1]
 
 
@@ -51,6 +51,9 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert not _specialized(fa, q[..., :120], k[..., :120], v[..., :120])  # head dim padded to 128
     assert not _specialized(fa, *(x[..., :64].contiguous() for x in (q, k, v)))  # no entry at 64
     assert not _specialized(fa, q.float(), k.float(), v.float())
+    assert _specialized(fa, q, k, v, softcap=20.0, sinks=torch.zeros(4)) == _descriptors_possible()
+    assert not _specialized(fa, q, k, v, window_left=64)
+    assert not _specialized(fa, q, k, v, dropout_p=0.1)
     rows = 64 * 4 * HEAD_DIM  # batch stride not a whole number of rows
     q_odd = torch.randn(2, rows + 8, device=q.device, dtype=q.dtype)[:, :rows].view(2, 64, 4, HEAD_DIM)
     assert not _specialized(fa, q_odd, k, v)
@@ -111,6 +114,43 @@ def test_matches_plain_path_and_reference(fa, monkeypatch, name, make, dtype):
     scale = 1.0 / math.sqrt(q.shape[-1])
     truth_out, truth_grads = run_ref(q, k, v, dout, False, scale, torch.float64)
     pt_out, pt_grads = run_ref(q, k, v, dout, False, scale, dtype)
+    out, lse, *grads = results["1"]
+    assert_within_bar("out", out, pt_out, truth_out, FWD_FACTOR)
+    for label, ours, pt, truth in zip(("dq", "dk", "dv"), grads, pt_grads, truth_grads):
+        assert_within_bar(label, ours, pt, truth, BWD_FACTOR)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_options_in_the_warp_specialised_loop(fa, monkeypatch, dtype):
+    """softcap, ALiBi and sinks keep the warp-specialised loop (launch.WARP_SPECIALIZABLE): its
+    results meet the float64 bar with all three on, and equal the plain loop's bit for bit under
+    the interpreter."""
+    if not _descriptors_possible():
+        pytest.skip("tensor descriptors need a Hopper GPU")
+    device = "cuda" if ON_GPU else "cpu"
+    seqlen_k = 4096 if ON_GPU else 256  # (4096: the dQ kernel's warp-specialised entry starts there)
+    q, k, v = _bshd(2, 113, 4, dtype), _bshd(2, seqlen_k, 2, dtype), _bshd(2, seqlen_k, 2, dtype)
+    sinks = torch.randn(4, device=device)
+    slopes = torch.rand(4, device=device) * 0.2
+    options = dict(softcap=5.0, alibi_slopes=slopes)
+    monkeypatch.setenv("FLASH_ATTENTION_WS", "1")
+    assert _specialized(fa, q, k, v, sinks=sinks, **options)
+    assert _specialized(fa, q, k, v, kernel="bwd_dq", sinks=sinks, **options)
+    dout = torch.randn_like(q)
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("FLASH_ATTENTION_WS", setting)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)] + [sinks.clone().requires_grad_()]
+        out, lse, _ = fa.flash_attn_func(*leaves[:3], s_aux=leaves[3], return_attn_probs=True, **options)
+        results[setting] = (out, lse, *torch.autograd.grad(out, leaves, dout))
+    if not ON_GPU:
+        for label, a, b in zip(("out", "lse", "dq", "dk", "dv", "ds_aux"), results["1"], results["0"]):
+            assert torch.equal(a, b), f"{label} differs between the warp-specialised and plain kernels"
+
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    reference = dict(softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+    truth_out, truth_grads = run_ref(q, k, v, dout, False, scale, torch.float64, **reference)
+    pt_out, pt_grads = run_ref(q, k, v, dout, False, scale, dtype, **reference)
     out, lse, *grads = results["1"]
     assert_within_bar("out", out, pt_out, truth_out, FWD_FACTOR)
     for label, ours, pt, truth in zip(("dq", "dk", "dv"), grads, pt_grads, truth_grads):
