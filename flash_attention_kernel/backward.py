@@ -22,10 +22,11 @@ the gradients are
 * ``_attn_bwd_dq_kernel``: one program per BLOCK_M query rows; it streams key tiles like the
   forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).
 
-Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit
-only the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /
-``scores.query_tile_ranges``) and mask only tiles that cross a band edge or a sequence end. Rows with lse = +inf (no visible key) get P = 0 and therefore
-zero gradients; query rows past the sequence end read lse = +inf and contribute nothing.
+Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit only
+the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /
+``scores.query_tile_ranges``) and mask only tiles that cross a band edge or a sequence end. Rows
+with lse = +inf (no visible key) get P = 0 and therefore zero gradients; query rows past the
+sequence end read lse = +inf and contribute nothing.
 """
 
 import torch
@@ -414,6 +415,6 @@ def _sink_grad(options: AttentionOptions, lse, delta, wrap_kernel):
         stride_b, stride_h, num_batches, num_rows = 0, lse.stride(0), 1, lse.shape[1]
     else:
         stride_b, stride_h, num_batches, num_rows = lse.stride(0), lse.stride(1), lse.shape[0], lse.shape[2]
-    wrap_kernel(_sink_grad_kernel)[(dsinks.numel(),)](lse, delta, options.sinks, dsinks, stride_b, stride_h,
-                                                       num_batches, num_rows, BLOCK=256)
+    wrap_kernel(_sink_grad_kernel)[(dsinks.numel(),)](
+        lse, delta, options.sinks, dsinks, stride_b, stride_h, num_batches, num_rows, BLOCK=256)
     return dsinks

@@ -49,8 +49,8 @@ def _attn_probs_kernel(
     k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     diag = seqlen_k - seqlen_q
-    score, dropout, sink_log2 = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
-                                     dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
+    score, dropout, _sink = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
+                                         dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
     q_a, q_b = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
                          seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     lse_log2 = load_row_stat(tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), start_m, seqlen_q,

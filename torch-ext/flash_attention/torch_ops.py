@@ -1,9 +1,10 @@
 """Torch custom ops over the Triton launchers, with autograd.
 
 The ops (``fwd``/``bwd`` and the packed ``fwd_kvpacked``/``bwd_kvpacked``,
-``fwd_qkvpacked``/``bwd_qkvpacked``, and ``probs`` for return_attn_probs) are ``torch.library.triton_op``s: their bodies are plain PyTorch code plus Triton
-launches through ``torch.library.wrap_triton``, so torch.compile traces into them (no graph break,
-fake implementations derived from the body). The op namespace comes from the build-generated
+``fwd_qkvpacked``/``bwd_qkvpacked``, and ``probs`` for return_attn_probs) are
+``torch.library.triton_op``s: their bodies are plain PyTorch code plus Triton launches through
+``torch.library.wrap_triton``, so torch.compile traces into them (no graph break, fake
+implementations derived from the body). The op namespace comes from the build-generated
 ``_ops`` module, which is unique per build and backend; it is never written out by hand.
 
 Under Triton's CPU interpreter (TRITON_INTERPRET=1) ``wrap_triton`` hands kernels back unwrapped,
@@ -12,7 +13,7 @@ so a triton_op could be neither faked nor traced. There the same bodies are regi
 
 Eager calls skip the dispatcher. Going through torch.library costs about 100 us of host time per
 forward and more per backward (the custom-op autograd wrapper, redispatch, argument defaults,
-triton_op's dynamo guard), more than the whole kernel at short sequences. ``attention`` therefore
+triton_op's dynamo guard), more than the whole kernel at short sequences. ``run_op`` therefore
 runs the same op bodies directly, under a ``torch.autograd.Function`` with the op's autograd
 formula, whenever nothing could need the op itself: plain tensors, no torch.compile / export /
 jit tracing, no functorch transform, no torch function or dispatch mode (FakeTensorMode,
