@@ -31,6 +31,10 @@ import torch
 
 LOG2E = math.log2(math.e)
 
+# A window bound past any sequence length means the same as this one, which keeps the kernels'
+# int32 index arithmetic (index + diag +- bound) from overflowing.
+MAX_WINDOW = 2 ** 30
+
 # VARIANT bits (scores.py holds the same values as constexprs)
 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX = 1, 2, 4, 8, 16, 32, 64
 
@@ -96,16 +100,11 @@ class AttentionOptions:
                 | (SOFTCAP if self.softcap > 0 else 0) | (ALIBI if self.alibi_slopes is not None else 0)
                 | (SINKS if self.sinks is not None else 0) | (DROPOUT if self.dropout_p > 0 else 0))
 
-    @property
-    def is_plain(self) -> bool:
-        """Nothing beyond the scale and (possibly) causal masking."""
-        return self.variant & ~MASK_RIGHT == 0 and self.window[1] in (-1, 0)
-
     def kernel_args(self, stand_in: torch.Tensor) -> tuple:
         """(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left,
         window_right, dropout_threshold, dropout_scale), as every kernel takes them; ``stand_in``
         fills unused pointers (never read)."""
-        left, right = self.window
+        left, right = (min(bound, MAX_WINDOW) for bound in self.window)  # (int32 arithmetic in the kernels)
         if self.softcap > 0:
             score_scale, softcap_log2 = self.softmax_scale / self.softcap, self.softcap * LOG2E
         else:

@@ -514,6 +514,18 @@ def test_window_size_forms(fa, varlen):
         _assert_equal(_run(fn(form), (q, k, v), dout), want, ("out", "lse", "S_dmask", "dq", "dk", "dv"))
 
 
+def test_window_beyond_any_sequence(fa):
+    """A bound larger than int32 index arithmetic can hold (flash-attn users pass e.g. (2**40, 0))
+    means the same as an unbounded side: same bits as (-1, 0), i.e. causal."""
+    q, k, v = random_qkv((1, 113, 2, 64), (1, 203, 2, 64), torch.float16, requires_grad=True)
+    dout = torch.randn_like(q)
+    huge = fa.flash_attn_func(q, k, v, window_size=(2 ** 40, 0))
+    causal = fa.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(huge, causal)
+    for a, b in zip(torch.autograd.grad(huge, (q, k, v), dout), torch.autograd.grad(causal, (q, k, v), dout)):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rows that see no key
 # ---------------------------------------------------------------------------------------------
