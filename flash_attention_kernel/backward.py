@@ -38,17 +38,15 @@ from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
     launch_plan, precision_mode,
 )
-from .options import LOG2E, AttentionOptions
+from .options import AttentionOptions
 from .scores import (
-    DROPOUT, MASK_LEFT, MASK_RIGHT, dropout_keep, head_options, key_tile_ranges, logits, logits_grad,
+    DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, dropout_keep, head_options, key_tile_ranges, logits, logits_grad,
     query_tile_ranges, query_tile_start,
 )
 from .tiles import (
     load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
     slice_descriptors, store_tile, tile_base, tile_descriptors,
 )
-
-LOG2E_CONST = tl.constexpr(LOG2E)
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])
@@ -106,7 +104,7 @@ def _dkdv_query_loop(
     for start_m in range(q_start, q_end, BLOCK_M):
         q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM,
                                   DIM_A, DIM_B, MASKED, USE_TMA)
-        lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E_CONST
+        lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E
         offs_m = (start_m + tl.arange(0, BLOCK_M))[None, :]
         qk_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION)
         s_t, capped_t = logits(qk_t, offs_m, offs_n[:, None], seqlen_k, diag, window, score, MASKED, VARIANT)
@@ -274,7 +272,7 @@ def _attn_bwd_dq_kernel(
                            stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
     delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
-    lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E_CONST
+    lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E
     if COMPUTE_DELTA:
         delta = _store_row_delta(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), do_a, do_b,
                                  tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), delta_base,

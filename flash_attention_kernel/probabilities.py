@@ -19,11 +19,9 @@ from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous, precision_mode,
 )
-from .options import LOG2E, AttentionOptions
-from .scores import dropout_keep, head_options, logits
+from .options import AttentionOptions
+from .scores import LOG2E, dropout_keep, head_options, logits
 from .tiles import load_row_stat, load_tile, mma_over_head, sequence_span, tile_base
-
-LOG2E_CONST = tl.constexpr(LOG2E)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -54,7 +52,7 @@ def _attn_probs_kernel(
     q_a, q_b = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
                          seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     lse_log2 = load_row_stat(tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), start_m, seqlen_q,
-                             float("inf"), BLOCK_M, True) * LOG2E_CONST
+                             float("inf"), BLOCK_M, True) * LOG2E
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     probs_base = Probs + batch.to(tl.int64) * stride_pb + head.to(tl.int64) * stride_ph
     offs_m = start_m + tl.arange(0, BLOCK_M)
