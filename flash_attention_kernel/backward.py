@@ -40,8 +40,8 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, dropout_keep, head_options, key_tile_ranges, logits, logits_grad,
-    query_tile_ranges, query_tile_start,
+    DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits,
+    logits_grad, query_tile_ranges, query_tile_start,
 )
 from .tiles import (
     load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
@@ -108,7 +108,7 @@ def _dkdv_query_loop(
         offs_m = (start_m + tl.arange(0, BLOCK_M))[None, :]
         qk_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION)
         s_t, capped_t = logits(qk_t, offs_m, offs_n[:, None], seqlen_k, diag, window, score, MASKED, VARIANT)
-        p_t = tl.exp2(s_t - lse_log2[None, :])
+        p_t = tl.exp2(s_t * logit_unit(score, VARIANT) - lse_log2[None, :])
         do_a, do_b = load_tile_from(do_descs, do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM,
                                     DIM_A, DIM_B, MASKED, USE_TMA)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
@@ -120,7 +120,7 @@ def _dkdv_query_loop(
         else:
             dv_a, dv_b = mma_into_head(p_t, do_a, do_b, dv_a, dv_b, DIM_B, PRECISION)
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
-        ds_t = logits_grad(p_t * (dp_t - delta[None, :]), capped_t, VARIANT)
+        ds_t = logits_grad(p_t, capped_t, VARIANT) * (dp_t - delta[None, :])
         dk_a, dk_b = mma_into_head(ds_t, q_a, q_b, dk_a, dk_b, DIM_B, PRECISION)
     return dk_a, dk_b, dv_a, dv_b
 
@@ -218,11 +218,11 @@ def _dq_key_loop(
         cols = (start_n + offs_n)[None, :]
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         s, capped = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
-        p = tl.exp2(s - lse_log2[:, None])
+        p_grad = logits_grad(tl.exp2(s * logit_unit(score, VARIANT) - lse_log2[:, None]), capped, VARIANT)
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
             dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), dp * dropout_scale, 0.0)
-        ds = logits_grad(p * (dp - delta[:, None]), capped, VARIANT)
+        ds = p_grad * (dp - delta[:, None])
         if DIM_B > 0:
             dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
         else:  # dq_b must not be a loop variable here: warp specialisation fails on one left unchanged

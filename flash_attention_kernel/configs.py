@@ -152,12 +152,11 @@ _GPU_WARP_SPECIALIZED = {
     ("bwd_dq", 128, "none"): (TileConfig(128, 128, 8, 2, tma=True), 4096),
 }
 
-# With dropout the keep mask passes through shared memory on its way to the matmul layout
-# (scores.dropout_keep: join + reshape), 8-16 KB more per program: entries that no longer fit the
-# H200's 227 KB take these instead, whatever the mask (benchmarks/resource_report.py --variant dropout).
+# With dropout, one Philox call serves 16 keys spread over a 64-key block (scores.dropout_keep), so
+# narrower key tiles draw some calls twice: the dQ kernel at width 128, whose other entries take
+# 32-key tiles, takes 64 with dropout (H100, NOTES v10: 1.10x its dropout backward).
 _GPU_DROPOUT = {
-    ("fwd", 128): TileConfig(128, 64, 8, 3),
-    ("bwd_dq", 256): TileConfig(128, 32, 8, 2),
+    ("bwd_dq", 128): TileConfig(128, 64, 8, 3, tma=True),
 }
 
 # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in

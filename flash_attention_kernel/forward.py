@@ -39,7 +39,7 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logits, query_tile_start, row_start,
+    DROPOUT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start, row_start,
 )
 from .tiles import load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span, slice_descriptors, \
     store_tile, tile_base
@@ -63,12 +63,13 @@ def _fwd_key_loop(
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         cols = (start_n + offs_n)[None, :]
         s, _ = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
-        new_max = tl.maximum(row_max, tl.max(s, 1))
+        unit = logit_unit(score, VARIANT)
+        new_max = tl.maximum(row_max, tl.max(s, 1) * unit)
         if MASKED:
             pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
         else:
             pivot = new_max
-        p = tl.exp2(s - pivot[:, None])
+        p = tl.exp2(s * unit - pivot[:, None])
         alpha = tl.exp2(row_max - pivot)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         if DROPOUT & VARIANT:

@@ -18,8 +18,8 @@ an ordinary random op, so torch.manual_seed reproduces a call, CUDA graph captur
 (each replay draws afresh, like PyTorch's own fused kernels), and torch.compile traces it. The
 kernels read the pair from memory; the backward gets the same tensor and regenerates the same
 mask. Pair (i, j) of query head h in batch entry b (sequence b for varlen) draws Philox keyed by
-the seed at counter (j // 16, i, b * heads + h, offset mod 2^32), and one call serves the 16
-keys of a group with 8-bit draws (scores.dropout_keep).
+the seed at counter (g, i, b * heads + h, offset mod 2^32), where the call g = 4 (j // 64) +
+(j % 8) // 2 serves 16 keys of the row with 8-bit draws (scores.dropout_keep).
 """
 
 import inspect

@@ -20,7 +20,7 @@ from .launch import (
     SequenceLayout, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous, precision_mode,
 )
 from .options import AttentionOptions
-from .scores import LOG2E, dropout_keep, head_options, logits
+from .scores import LOG2E, dropout_keep, head_options, logit_unit, logits
 from .tiles import load_row_stat, load_tile, mma_over_head, sequence_span, tile_base
 
 
@@ -62,7 +62,7 @@ def _attn_probs_kernel(
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         s, capped = logits(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, (window_left, window_right), score,
                            True, VARIANT)
-        p = tl.exp2(s - lse_log2[:, None])
+        p = tl.exp2(s * logit_unit(score, VARIANT) - lse_log2[:, None])
         p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), p, p * -1.0)  # (-0.0 for 0, unlike 0 - p)
         ptrs = probs_base + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
         tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))

@@ -127,22 +127,37 @@ def _tanh(x, VARIANT: tl.constexpr):
 
 
 @triton.jit
+def logit_unit(score, VARIANT: tl.constexpr):
+    """What one unit of ``logits``' result is worth in base-2 logits: softcap * log2(e) where a
+    softcap without ALiBi leaves the tanh unscaled, else 1. Callers form exp2(s * unit - pivot),
+    one fused multiply-add per score, and a row's max as max(s) * unit (unit > 0)."""
+    if (SOFTCAP & VARIANT) and not (ALIBI & VARIANT):
+        return score[1]
+    else:
+        return 1.0
+
+
+@triton.jit
 def logits(qk, q_idx, k_idx, seqlen_k, diag, window, score, MASKED: tl.constexpr, VARIANT: tl.constexpr):
-    """Base-2 logits of a tile of q.k products, masked to -inf where MASKED and invisible, and the
-    tanh of the softcap (for ``logits_grad``; unused without SOFTCAP).
+    """Logits of a tile of q.k products, in units of ``logit_unit`` (base 2), masked to -inf where
+    MASKED and invisible, and the tanh of the softcap (for ``logits_grad``; unused without
+    SOFTCAP).
 
     ``score`` = (scale, softcap_log2, alibi_slope_log2): without SOFTCAP, scale is
     softmax_scale * log2(e); with it, softmax_scale / softcap, and the capped logit is
-    softcap_log2 * tanh(qk * scale). ALiBi's distance is formed in fp32 from the fp32 row and
-    column indices, exact below 2^24, so each element costs a subtraction and a multiply-add."""
+    softcap_log2 * tanh(qk * scale), returned as the tanh alone unless ALiBi's bias must be added
+    to it. ALiBi's distance is formed in fp32 from the fp32 row and column indices, exact below
+    2^24, so each element costs a subtraction and a multiply-add."""
     scale, softcap_log2, alibi_slope_log2 = score
     if SOFTCAP & VARIANT:
         capped = _tanh(qk * scale, VARIANT)
-        s = softcap_log2 * capped
+        s = capped
     else:
         capped = qk
         s = qk * scale
     if ALIBI & VARIANT:
+        if SOFTCAP & VARIANT:
+            s = softcap_log2 * s
         distance = (q_idx + diag).to(tl.float32) - k_idx.to(tl.float32)
         s = s - alibi_slope_log2 * tl.abs(distance)
     if MASKED:
@@ -151,13 +166,15 @@ def logits(qk, q_idx, k_idx, seqlen_k, diag, window, score, MASKED: tl.constexpr
 
 
 @triton.jit
-def logits_grad(ds, capped, VARIANT: tl.constexpr):
-    """Gradient with respect to q.k * softmax_scale of a loss whose gradient with respect to the
-    logits is ``ds``: the softcap's tanh' = 1 - tanh^2 (the scale is applied by the caller)."""
+def logits_grad(x, capped, VARIANT: tl.constexpr):
+    """``x`` times the derivative of the logits with respect to q.k * softmax_scale: the softcap's
+    tanh' = 1 - tanh^2, else 1. The gradient of the scores is P * tanh' * (dP - delta); the dQ
+    kernel applies this to P as soon as it exists, so that the tanh does not stay in registers
+    while dP is computed (the scale is applied by the caller)."""
     if SOFTCAP & VARIANT:
-        return ds * (1.0 - capped * capped)
+        return x * (1.0 - capped * capped)
     else:
-        return ds
+        return x
 
 
 @triton.jit
@@ -171,30 +188,87 @@ def row_start(sink_log2, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
 
 
 @triton.jit
+def _bytes_reach(word, limit):
+    """Whether each of the four bytes of uint32 ``word`` reaches ``limit`` = threshold << 24, as
+    [..., 2, 2] booleans indexed [bit 0, bit 1] of the byte's position: each byte is compared in
+    the top position of the word, where its lower neighbours add less than one of its units."""
+    return tl.join(tl.join((word << 24) >= limit, (word << 16) >= limit),
+                   tl.join((word << 8) >= limit, word >= limit))
+
+
+@triton.jit
+def _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPAN: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] keep mask from the words [BLOCK_M, T, c] of a row's calls: each call's
+    bytes are split into registers by joins (every join adds a dimension held by one thread)."""
+    if SPAN == 64:  # word w holds bytes 4w .. 4w + 3, i.e. j = 2w, 2w + 1: [M, T, c, e, j0, j1, j2]
+        keep = tl.join(tl.join(_bytes_reach(r0, limit), _bytes_reach(r1, limit)),
+                       tl.join(_bytes_reach(r2, limit), _bytes_reach(r3, limit)))
+        keep = tl.permute(keep, (0, 1, 6, 5, 4, 2, 3))
+    elif SPAN == 32:  # j = 4h .. 4h + 3: words 2h, 2h + 1: [M, T, c, e, j0, j1]
+        upper = (start_n // 32) % 2 == 1
+        keep = tl.join(_bytes_reach(tl.where(upper, r2, r0), limit), _bytes_reach(tl.where(upper, r3, r1), limit))
+        keep = tl.permute(keep, (0, 1, 5, 4, 2, 3))
+    else:  # j = 2w, 2w + 1: word w: [M, T, c, e, j0]
+        quarter = (start_n // 16) % 4
+        word = tl.where(quarter == 0, r0, tl.where(quarter == 1, r1, tl.where(quarter == 2, r2, r3)))
+        keep = tl.permute(_bytes_reach(word, limit), (0, 1, 4, 2, 3))
+    return tl.reshape(keep, [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPAN: tl.constexpr):
+    """[BLOCK_N, BLOCK_M] keep mask (rows = keys) from the words [T, c, BLOCK_M] of the calls:
+    each key row broadcasts its call's words and picks its word and byte (joins would put the
+    bytes of one call into different threads, through shared memory)."""
+    shape: tl.constexpr = [BLOCK_N // SPAN, SPAN // 8, 4, 2, BLOCK_M]
+    keys = start_n + tl.arange(0, BLOCK_N)
+    j = (keys % 64) // 8
+    word_at = (j // 2)[:, None]
+    word = tl.where(word_at == 0, tl.reshape(tl.broadcast_to(r0[:, None, :, None, :], shape), [BLOCK_N, BLOCK_M]),
+                    tl.where(word_at == 1,
+                             tl.reshape(tl.broadcast_to(r1[:, None, :, None, :], shape), [BLOCK_N, BLOCK_M]),
+                             tl.where(word_at == 2,
+                                      tl.reshape(tl.broadcast_to(r2[:, None, :, None, :], shape),
+                                                 [BLOCK_N, BLOCK_M]),
+                                      tl.reshape(tl.broadcast_to(r3[:, None, :, None, :], shape),
+                                                 [BLOCK_N, BLOCK_M]))))
+    shift = (24 - 8 * (2 * (j % 2) + keys % 2)).to(tl.uint32)
+    return (word << shift[:, None]) >= limit
+
+
+@triton.jit
 def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
     """Dropout's keep mask of query rows ``offs_m`` x keys [start_n, start_n + BLOCK_N) of one
     (batch, head): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with KEYS_FIRST (the dK/dV kernel's
     transposed tiles).
 
     ``dropout`` = (seed, stream, offset, threshold). One Philox-4x32 call (7 rounds, which pass
-    BigCrush) keyed by the 64-bit seed at counter (key // 16, query, stream, offset), stream
-    numbering the (batch, head), gives 128 bits: sixteen 8-bit draws, one for each of the 16 keys
-    of the group, and a pair is kept iff its draw reaches ``threshold`` = round(p * 256), as in
-    flash-attn's CUDA kernels (p is quantised to 1/256; the output is still scaled by
-    1 / (1 - p)). Sixteen draws per call keep the generator cheap next to the matmuls; the
-    counters are 32-bit index arithmetic, and the draw of a pair depends only on its indices,
-    never on the tiling."""
+    BigCrush) keyed by the 64-bit seed at counter (group, query, stream, offset), stream numbering
+    the (batch, head), gives 128 bits: sixteen 8-bit draws for 16 keys of the query row, and a pair
+    is kept iff its draw reaches ``threshold`` = round(p * 256), as in flash-attn's CUDA kernels
+    (p is quantised to 1/256; the output is still scaled by 1 / (1 - p)).
+
+    Which 16 keys share a call follows the tensor cores' accumulator layout, so that the thread
+    that holds a score also draws its dropout byte and no draw crosses threads through shared
+    memory: key n = 64 t + 8 j + 2 c + e (j < 8, c < 4, e < 2) is byte 2 j + e of group 4 t + c,
+    i.e. bits (j, e) of the key pick the byte and bits (t, c) the call. The draw of a pair depends
+    only on its indices, never on the tiling; tiles narrower than 64 keys use the words of their
+    part of the block."""
+    tl.static_assert(BLOCK_N >= 16, "dropout tiles hold at least 16 keys")
     seed, stream, offset, threshold = dropout
-    groups = start_n // 16 + tl.arange(0, BLOCK_N // 16)
-    r0, r1, r2, r3 = tl.philox(seed, groups[None, :], offs_m[:, None], stream, offset, 7)
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BLOCK_M, BLOCK_N // 16, 2, 2]
-    halves = tl.join(words & 0xFFFF, words >> 16)
-    draws = tl.join((halves & 0xFF).to(tl.int32), (halves >> 8).to(tl.int32))
-    keep = tl.reshape(draws, [offs_m.shape[0], BLOCK_N]) >= threshold
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
+    SPAN: tl.constexpr = min(BLOCK_N, 64)
+    groups = (start_n // 64 + tl.arange(0, BLOCK_N // SPAN))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [T, c]
+    limit = (threshold << 24).to(tl.uint32)
     if KEYS_FIRST:
-        return tl.trans(keep)
+        r0, r1, r2, r3 = tl.philox(seed, groups[:, :, None], offs_m[None, None, :], stream, offset, 7)
+        keep = _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
     else:
-        return keep
+        r0, r1, r2, r3 = tl.philox(seed, groups[None, :, :], offs_m[:, None, None], stream, offset, 7)
+        keep = _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
+    return keep
 
 
 @triton.jit
