@@ -6,11 +6,13 @@ mma.sync instructions in the PTX. Pointer and integer arguments are marked divis
 real launches specialise them (without that, every load compiles to scalar loads and the report
 says nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
 
-Usage: python benchmarks/resource_report.py [--variant causal,softcap,...] fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
+Usage: python benchmarks/resource_report.py [--variant causal,softcap,...] [--ptx DIR] fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
        (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
        with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
        loop, which reads through descriptors too; --variant: the options compiled in, any of
-       causal, window, softcap, alibi, sinks, dropout, tanh_approx)
+       causal, window, softcap, alibi, sinks, dropout, tanh_approx; --ptx: also write each kernel's PTX,
+       without its debug sections and line records, to DIR, so that two trees' kernels can be
+       compared with diff: identical files mean identical plain kernels)
 """
 
 import re
@@ -54,8 +56,14 @@ def _signature(kernel, dtype, constexprs):
     return signature
 
 
+def _code_only(ptx):
+    """PTX without debug sections, line records and comments (which move with source lines)."""
+    code = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
+    return "\n".join(line for line in code.splitlines() if not line.strip().startswith((".loc", ".file", "//")))
+
+
 def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, variant=0,
-           specialized=False):
+           specialized=False, ptx_path=None):
     kernel = KERNELS[kernel_name]
     dim_a, dim_b = configs.head_dim_chunks(head_dim)
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
@@ -71,6 +79,8 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=divisible),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
+    if ptx_path is not None:
+        Path(ptx_path).write_text(_code_only(ptx))
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(ptx)
@@ -93,13 +103,20 @@ def main(argv):
         for name in argv[at + 1].split(","):
             variant |= VARIANT_BITS[name]
         argv = argv[:at] + argv[at + 2:]
+    ptx_dir = None
+    if "--ptx" in argv:
+        at = argv.index("--ptx")
+        ptx_dir = Path(argv[at + 1])
+        ptx_dir.mkdir(parents=True, exist_ok=True)
+        argv = argv[:at] + argv[at + 2:]
     kernel_name, dtype, head_dim = argv[0], argv[1], int(argv[2])
     for config in argv[3:]:
         fields = config.split("x")
         block_m, block_n, num_warps, num_stages = map(int, fields[:4])
         try:
+            ptx_path = ptx_dir / f"{kernel_name}-{dtype}-d{head_dim}-v{variant}-{config}.ptx" if ptx_dir else None
             result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, "tma" in fields[4:],
-                            variant, "ws" in fields[4:])
+                            variant, "ws" in fields[4:], ptx_path)
         except Exception as error:
             print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
             continue
