@@ -16,7 +16,8 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
   query, key) index, so that every kernel regenerates the same mask whatever its tiling.
 * TANH_APPROX: the softcap's tanh through the GPU's approximate instruction (2-byte inputs).
 
-Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2.
+Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2, and in units of
+``logit_unit`` (the softcap's scale where the tanh is returned unscaled, else 1).
 
 Tile ranges. A program that owns a block of rows streams tiles of the other side in three ranges:
 [lo, full_lo) tiles crossing the lower band edge (masked), [full_lo, full_hi) tiles every row of
