@@ -24,25 +24,20 @@ import sys
 import torch
 import triton
 
-DEVICE, DTYPE, HEAD_DIM, HEADS, TOKENS, ROUNDS = "cuda", torch.bfloat16, 128, 16, 16384, 3
+from bench_flash_attention import TOKENS
+from bench_variants import DEVICE, DROPOUT, DTYPE, HEAD_DIM, HEADS, SOFTCAP, alibi_slopes, visible_pairs
 
-
-def visible_pairs(seqlen, left, right):
-    rows = torch.arange(seqlen, dtype=torch.int64)
-    first = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
-    last = (rows + right).clamp(max=seqlen - 1) if right >= 0 else torch.full_like(rows, seqlen - 1)
-    return int((last - first + 1).clamp(min=0).sum())
+ROUNDS = 3
 
 
 def options(package, kind, causal):
     window = (4096, 0 if causal else 4096) if kind == "window" else (-1, -1)
     extra = {
         "window": dict(window_left=window[0], window_right=window[1]),
-        "softcap": dict(softcap=50.0),
-        "alibi": dict(alibi_slopes=torch.tensor([2.0 ** (-8.0 * i / HEADS) for i in range(1, HEADS + 1)],
-                                                device=DEVICE)),
+        "softcap": dict(softcap=SOFTCAP),
+        "alibi": dict(alibi_slopes=alibi_slopes()),
         "sinks": dict(sinks=torch.randn(HEADS, device=DEVICE)),
-        "dropout": dict(dropout_p=0.1, rng_state=package.draw_rng_state(torch.device(DEVICE))),
+        "dropout": dict(dropout_p=DROPOUT, rng_state=package.draw_rng_state(torch.device(DEVICE))),
     }.get(kind, {})
     return package.AttentionOptions(softmax_scale=HEAD_DIM ** -0.5, causal=causal, **extra), window
 

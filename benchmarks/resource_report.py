@@ -6,7 +6,8 @@ mma.sync instructions in the PTX. Pointer and integer arguments are marked divis
 real launches specialise them (without that, every load compiles to scalar loads and the report
 says nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
 
-Usage: python benchmarks/resource_report.py [--variant causal,softcap,...] [--ptx DIR] fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
+Usage: python benchmarks/resource_report.py [--variant causal,softcap,...] [--ptx DIR]
+           fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
        (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
        with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
        loop, which reads through descriptors too; --variant: the options compiled in, any of
@@ -57,9 +58,12 @@ def _signature(kernel, dtype, constexprs):
 
 
 def _code_only(ptx):
-    """PTX without debug sections, line records and comments (which move with source lines)."""
+    """PTX without debug sections, line records, comments and the debug scopes' $L__tmp labels (all
+    of which move with source lines and inlined calls)."""
     code = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
-    return "\n".join(line for line in code.splitlines() if not line.strip().startswith((".loc", ".file", "//")))
+    return "\n".join(line for line in code.splitlines()
+                     if not line.strip().startswith((".loc", ".file", "//"))
+                     and not re.fullmatch(r"\$L__tmp\d+:", line.strip()))
 
 
 def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, variant=0,

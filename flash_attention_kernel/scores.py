@@ -198,6 +198,20 @@ def _bytes_reach(word, limit):
 
 
 @triton.jit
+def _pick_word(index, r0, r1, r2, r3):
+    """Word ``index`` (0-3, broadcast against the words) of a Philox call's four outputs."""
+    return tl.where(index == 0, r0, tl.where(index == 1, r1, tl.where(index == 2, r2, r3)))
+
+
+@triton.jit
+def _spread_over_keys(word, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+    """[BLOCK_N, BLOCK_M]: word [T, c, BLOCK_M] of call 4 t + c on each key row n = 64 t + 8 j + 2 c + e
+    of the tile."""
+    shape: tl.constexpr = [BLOCK_N // SPAN, SPAN // 8, 4, 2, BLOCK_M]
+    return tl.reshape(tl.broadcast_to(word[:, None, :, None, :], shape), [BLOCK_N, BLOCK_M])
+
+
+@triton.jit
 def _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPAN: tl.constexpr):
     """[BLOCK_M, BLOCK_N] keep mask from the words [BLOCK_M, T, c] of a row's calls: each call's
@@ -211,9 +225,7 @@ def _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOCK_N
         keep = tl.join(_bytes_reach(tl.where(upper, r2, r0), limit), _bytes_reach(tl.where(upper, r3, r1), limit))
         keep = tl.permute(keep, (0, 1, 5, 4, 2, 3))
     else:  # j = 2w, 2w + 1: word w: [M, T, c, e, j0]
-        quarter = (start_n // 16) % 4
-        word = tl.where(quarter == 0, r0, tl.where(quarter == 1, r1, tl.where(quarter == 2, r2, r3)))
-        keep = tl.permute(_bytes_reach(word, limit), (0, 1, 4, 2, 3))
+        keep = tl.permute(_bytes_reach(_pick_word((start_n // 16) % 4, r0, r1, r2, r3), limit), (0, 1, 4, 2, 3))
     return tl.reshape(keep, [BLOCK_M, BLOCK_N])
 
 
@@ -223,18 +235,11 @@ def _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOC
     """[BLOCK_N, BLOCK_M] keep mask (rows = keys) from the words [T, c, BLOCK_M] of the calls:
     each key row broadcasts its call's words and picks its word and byte (joins would put the
     bytes of one call into different threads, through shared memory)."""
-    shape: tl.constexpr = [BLOCK_N // SPAN, SPAN // 8, 4, 2, BLOCK_M]
     keys = start_n + tl.arange(0, BLOCK_N)
     j = (keys % 64) // 8
-    word_at = (j // 2)[:, None]
-    word = tl.where(word_at == 0, tl.reshape(tl.broadcast_to(r0[:, None, :, None, :], shape), [BLOCK_N, BLOCK_M]),
-                    tl.where(word_at == 1,
-                             tl.reshape(tl.broadcast_to(r1[:, None, :, None, :], shape), [BLOCK_N, BLOCK_M]),
-                             tl.where(word_at == 2,
-                                      tl.reshape(tl.broadcast_to(r2[:, None, :, None, :], shape),
-                                                 [BLOCK_N, BLOCK_M]),
-                                      tl.reshape(tl.broadcast_to(r3[:, None, :, None, :], shape),
-                                                 [BLOCK_N, BLOCK_M]))))
+    word = _pick_word((j // 2)[:, None], _spread_over_keys(r0, BLOCK_M, BLOCK_N, SPAN),
+                      _spread_over_keys(r1, BLOCK_M, BLOCK_N, SPAN), _spread_over_keys(r2, BLOCK_M, BLOCK_N, SPAN),
+                      _spread_over_keys(r3, BLOCK_M, BLOCK_N, SPAN))
     shift = (24 - 8 * (2 * (j % 2) + keys % 2)).to(tl.uint32)
     return (word << shift[:, None]) >= limit
 
@@ -262,7 +267,7 @@ def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     SPAN: tl.constexpr = min(BLOCK_N, 64)
     groups = (start_n // 64 + tl.arange(0, BLOCK_N // SPAN))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [T, c]
-    limit = (threshold << 24).to(tl.uint32)
+    limit = threshold.to(tl.uint32) << 24
     if KEYS_FIRST:
         r0, r1, r2, r3 = tl.philox(seed, groups[:, :, None], offs_m[None, None, :], stream, offset, 7)
         keep = _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)

@@ -48,8 +48,8 @@ def expected_keep():
 
 
 @triton.jit
-def _keep_kernel(RngState, Out, stream, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr,
-                 KEYS: tl.constexpr):
+def _keep_kernel(RngState, Out, stream, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KEYS_FIRST: tl.constexpr, KEYS: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     start_n = tl.program_id(1) * BLOCK_N
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -69,8 +69,8 @@ def test_draws_follow_the_mapping_in_every_tiling(block_n, keys_first):
     rng_state = torch.tensor([SEED, OFFSET], dtype=torch.int64, device=DEVICE)
     out = torch.full((QUERIES, KEYS), -1, dtype=torch.int8, device=DEVICE)  # poisoned
     block_m = 16
-    _keep_kernel[(QUERIES // block_m, KEYS // block_n)](rng_state, out, STREAM, THRESHOLD, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                        KEYS_FIRST=keys_first, KEYS=KEYS)
+    _keep_kernel[(QUERIES // block_m, KEYS // block_n)](rng_state, out, STREAM, THRESHOLD, BLOCK_M=block_m,
+                                                        BLOCK_N=block_n, KEYS_FIRST=keys_first, KEYS=KEYS)
     expected = expected_keep()
     assert torch.equal(out.cpu().bool(), expected) and (out >= 0).all()
     assert abs(1 - expected.float().mean().item() - THRESHOLD / 256) < 0.03  # ~10 % dropped
