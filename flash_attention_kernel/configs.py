@@ -152,9 +152,9 @@ _GPU_WARP_SPECIALIZED = {
     ("bwd_dq", 128, "none"): (TileConfig(128, 128, 8, 2, tma=True), 4096),
 }
 
-# With dropout, one Philox call serves 16 keys spread over a 64-key block (scores.dropout_keep), so
-# narrower key tiles draw some calls twice: the dQ kernel at width 128, whose other entries take
-# 32-key tiles, takes 64 with dropout (H100, NOTES v10: 1.10x its dropout backward).
+# With dropout (scores.dropout_keep draws one Philox call per thread and 16 pairs), the dQ kernel
+# at width 128 is faster with 64-key tiles than with the 32-key tiles of its non-causal entry
+# (H200, NOTES v11: 1.19x its dropout backward).
 _GPU_DROPOUT = {
     ("bwd_dq", 128): TileConfig(128, 64, 8, 3, tma=True),
 }

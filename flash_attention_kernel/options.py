@@ -18,8 +18,9 @@ an ordinary random op, so torch.manual_seed reproduces a call, CUDA graph captur
 (each replay draws afresh, like PyTorch's own fused kernels), and torch.compile traces it. The
 kernels read the pair from memory; the backward gets the same tensor and regenerates the same
 mask. Pair (i, j) of query head h in batch entry b (sequence b for varlen) draws Philox keyed by
-the seed at counter (g, i, b * heads + h, offset mod 2^32), where the call g = 4 (j // 64) +
-(j % 8) // 2 serves 16 keys of the row with 8-bit draws (scores.dropout_keep).
+the seed at counter (4 (j // 32) + (j % 8) // 2, 16 (i // 16) + i % 8, b * heads + h,
+offset mod 2^32): each call gives 8-bit draws to 16 pairs, queries i and i + 8 by 8 keys
+(scores.dropout_keep).
 """
 
 import inspect

@@ -198,81 +198,80 @@ def _bytes_reach(word, limit):
 
 
 @triton.jit
-def _pick_word(index, r0, r1, r2, r3):
-    """Word ``index`` (0-3, broadcast against the words) of a Philox call's four outputs."""
-    return tl.where(index == 0, r0, tl.where(index == 1, r1, tl.where(index == 2, r2, r3)))
-
-
-@triton.jit
-def _spread_over_keys(word, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
-    """[BLOCK_N, BLOCK_M]: word [T, c, BLOCK_M] of call 4 t + c on each key row n = 64 t + 8 j + 2 c + e
-    of the tile."""
-    shape: tl.constexpr = [BLOCK_N // SPAN, SPAN // 8, 4, 2, BLOCK_M]
-    return tl.reshape(tl.broadcast_to(word[:, None, :, None, :], shape), [BLOCK_N, BLOCK_M])
-
-
-@triton.jit
 def _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPAN: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] keep mask from the words [BLOCK_M, T, c] of a row's calls: each call's
+    """[BLOCK_M, BLOCK_N] keep mask from the words [A, r, T, c] of the tile's calls: each call's
     bytes are split into registers by joins (every join adds a dimension held by one thread)."""
-    if SPAN == 64:  # word w holds bytes 4w .. 4w + 3, i.e. j = 2w, 2w + 1: [M, T, c, e, j0, j1, j2]
+    if SPAN == 32:  # word 2 h + j // 2: [A, r, T, c, e, j % 2, j // 2, h]
         keep = tl.join(tl.join(_bytes_reach(r0, limit), _bytes_reach(r1, limit)),
                        tl.join(_bytes_reach(r2, limit), _bytes_reach(r3, limit)))
-        keep = tl.permute(keep, (0, 1, 6, 5, 4, 2, 3))
-    elif SPAN == 32:  # j = 4h .. 4h + 3: words 2h, 2h + 1: [M, T, c, e, j0, j1]
-        upper = (start_n // 32) % 2 == 1
-        keep = tl.join(_bytes_reach(tl.where(upper, r2, r0), limit), _bytes_reach(tl.where(upper, r3, r1), limit))
-        keep = tl.permute(keep, (0, 1, 5, 4, 2, 3))
-    else:  # j = 2w, 2w + 1: word w: [M, T, c, e, j0]
-        keep = tl.permute(_bytes_reach(_pick_word((start_n // 16) % 4, r0, r1, r2, r3), limit), (0, 1, 4, 2, 3))
+        keep = tl.permute(keep, (0, 7, 1, 2, 6, 5, 3, 4))
+    else:  # 16 keys: j // 2 is the tile's half of the 32-key block: [A, r, T, c, e, j % 2, h]
+        upper = (start_n // 16) % 2 == 1
+        keep = tl.join(_bytes_reach(tl.where(upper, r1, r0), limit), _bytes_reach(tl.where(upper, r3, r2), limit))
+        keep = tl.permute(keep, (0, 6, 1, 2, 5, 3, 4))
     return tl.reshape(keep, [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _spread(word, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+    """[BLOCK_N, BLOCK_M]: word [T, c, A, r] of call (4 t + c, 16 a + r) on each of its pairs,
+    key n = 32 t + 8 j + 2 c + e (rows), query m = 16 a + 8 h + r (columns)."""
+    shape: tl.constexpr = [BLOCK_N // SPAN, SPAN // 8, 4, 2, BLOCK_M // 16, 2, 8]
+    return tl.reshape(tl.broadcast_to(word[:, None, :, None, :, None, :], shape), [BLOCK_N, BLOCK_M])
 
 
 @triton.jit
 def _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPAN: tl.constexpr):
-    """[BLOCK_N, BLOCK_M] keep mask (rows = keys) from the words [T, c, BLOCK_M] of the calls:
-    each key row broadcasts its call's words and picks its word and byte (joins would put the
-    bytes of one call into different threads, through shared memory)."""
+    """[BLOCK_N, BLOCK_M] keep mask (rows = keys) from the words [T, c, A, r] of the tile's calls:
+    each pair picks its word and byte from its call's words, broadcast to the pairs (joins would
+    put the bytes of one call into different threads, through shared memory)."""
     keys = start_n + tl.arange(0, BLOCK_N)
-    j = (keys % 64) // 8
-    word = _pick_word((j // 2)[:, None], _spread_over_keys(r0, BLOCK_M, BLOCK_N, SPAN),
-                      _spread_over_keys(r1, BLOCK_M, BLOCK_N, SPAN), _spread_over_keys(r2, BLOCK_M, BLOCK_N, SPAN),
-                      _spread_over_keys(r3, BLOCK_M, BLOCK_N, SPAN))
+    j = (keys % 32) // 8
+    h = (tl.arange(0, BLOCK_M) // 8) % 2
+    index = 2 * h[None, :] + (j // 2)[:, None]
+    word = tl.where(index == 0, _spread(r0, BLOCK_M, BLOCK_N, SPAN),
+                    tl.where(index == 1, _spread(r1, BLOCK_M, BLOCK_N, SPAN),
+                             tl.where(index == 2, _spread(r2, BLOCK_M, BLOCK_N, SPAN),
+                                      _spread(r3, BLOCK_M, BLOCK_N, SPAN))))
     shift = (24 - 8 * (2 * (j % 2) + keys % 2)).to(tl.uint32)
     return (word << shift[:, None]) >= limit
 
 
 @triton.jit
 def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
-    """Dropout's keep mask of query rows ``offs_m`` x keys [start_n, start_n + BLOCK_N) of one
-    (batch, head): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with KEYS_FIRST (the dK/dV kernel's
-    transposed tiles).
+    """Dropout's keep mask of query rows ``offs_m`` (a tile starting at a multiple of 16) x keys
+    [start_n, start_n + BLOCK_N) of one (batch, head): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M]
+    with KEYS_FIRST (the dK/dV kernel's transposed tiles).
 
     ``dropout`` = (seed, stream, offset, threshold). One Philox-4x32 call (7 rounds, which pass
-    BigCrush) keyed by the 64-bit seed at counter (group, query, stream, offset), stream numbering
-    the (batch, head), gives 128 bits: sixteen 8-bit draws for 16 keys of the query row, and a pair
-    is kept iff its draw reaches ``threshold`` = round(p * 256), as in flash-attn's CUDA kernels
-    (p is quantised to 1/256; the output is still scaled by 1 / (1 - p)).
+    BigCrush) keyed by the 64-bit seed at counter (key group, query group, stream, offset), stream
+    numbering the (batch, head), gives 128 bits: sixteen 8-bit draws for 16 (query, key) pairs, and
+    a pair is kept iff its draw reaches ``threshold`` = round(p * 256), as in flash-attn's CUDA
+    kernels (p is quantised to 1/256; the output is still scaled by 1 / (1 - p)).
 
-    Which 16 keys share a call follows the tensor cores' accumulator layout, so that the thread
-    that holds a score also draws its dropout byte and no draw crosses threads through shared
-    memory: key n = 64 t + 8 j + 2 c + e (j < 8, c < 4, e < 2) is byte 2 j + e of group 4 t + c,
-    i.e. bits (j, e) of the key pick the byte and bits (t, c) the call. The draw of a pair depends
-    only on its indices, never on the tiling; tiles narrower than 64 keys use the words of their
-    part of the block."""
+    Which 16 pairs share a call follows the tensor cores' accumulator layout, where a thread holds
+    rows r and r + 8 of each 16-row block and columns 2 c + e + 8 j: query m = 16 a + 8 h + r
+    (h < 2, r < 8) and key n = 32 t + 8 j + 2 c + e (j < 4, c < 4, e < 2) draw byte 8 h + 2 j + e of
+    the call at key group 4 t + c, query group 16 a + r. A thread of the forward and dQ kernels
+    (queries on rows) holds all 16 pairs of each call it draws; a thread of the dK/dV kernel (keys
+    on rows: keys r, r + 8, queries 2 c + e + 8 j) holds 4 of them, so it draws each call it needs
+    itself and no draw crosses threads through shared memory. The draw of a pair depends only on
+    its indices, never on the tiling; 16-key tiles use the words of their half of the block."""
     tl.static_assert(BLOCK_N >= 16, "dropout tiles hold at least 16 keys")
     seed, stream, offset, threshold = dropout
     BLOCK_M: tl.constexpr = offs_m.shape[0]
-    SPAN: tl.constexpr = min(BLOCK_N, 64)
-    groups = (start_n // 64 + tl.arange(0, BLOCK_N // SPAN))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [T, c]
+    tl.static_assert(BLOCK_M >= 16, "dropout tiles hold at least 16 query rows")
+    SPAN: tl.constexpr = min(BLOCK_N, 32)
+    key_groups = (start_n // 32 + tl.arange(0, BLOCK_N // SPAN))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [T, c]
+    query_groups = tl.split(tl.permute(tl.reshape(offs_m, [BLOCK_M // 16, 2, 8]), (0, 2, 1)))[0]  # [A, r]: h = 0
     limit = threshold.to(tl.uint32) << 24
     if KEYS_FIRST:
-        r0, r1, r2, r3 = tl.philox(seed, groups[:, :, None], offs_m[None, None, :], stream, offset, 7)
+        r0, r1, r2, r3 = tl.philox(seed, key_groups[:, :, None, None], query_groups[None, None, :, :], stream, offset, 7)
         keep = _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
     else:
-        r0, r1, r2, r3 = tl.philox(seed, groups[None, :, :], offs_m[:, None, None], stream, offset, 7)
+        r0, r1, r2, r3 = tl.philox(seed, key_groups[None, None, :, :], query_groups[:, :, None, None], stream, offset, 7)
         keep = _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
     return keep
 

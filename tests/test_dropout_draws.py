@@ -2,9 +2,10 @@
 
 The kernels must agree on every pair's draw whatever their tiles: the forward and dQ kernels
 draw [query rows, keys] tiles, the dK/dV kernel [keys, query rows] tiles (KEYS_FIRST), with key
-tiles of 16 to 128 keys. Each tiling's mask must equal the documented mapping: pair (i, j) is
-byte 2 ((j % 64) // 8) + j % 2 of Philox-4x32-7 keyed by the seed at counter
-(4 (j // 64) + (j % 8) // 2, i, stream, offset), kept iff the byte reaches the threshold.
+tiles of 16 to 128 keys and 16 or 64 query rows. Each tiling's mask must equal the documented
+mapping: pair (i, j) is byte 8 ((i % 16) // 8) + 2 ((j % 32) // 8) + j % 2 of Philox-4x32-7 keyed
+by the seed at counter (4 (j // 32) + (j % 8) // 2, 16 (i // 16) + i % 8, stream, offset), kept iff
+the byte reaches the threshold.
 """
 
 import sys
@@ -21,7 +22,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from flash_attention_kernel import scores  # noqa: E402  (the source the built package copies)
 
 SEED, STREAM, OFFSET, THRESHOLD = 0x1234_5678_9ABC_DEF1, 37, 0xDEAD_BEEF, 26  # threshold: p = 0.1
-QUERIES, KEYS = 48, 256
+QUERIES, KEYS = 64, 256
 
 
 def philox_4x32(seed, counters, rounds=7):
@@ -39,9 +40,10 @@ def philox_4x32(seed, counters, rounds=7):
 def expected_keep():
     """[QUERIES, KEYS] keep mask from the documented mapping."""
     rows, keys = np.meshgrid(np.arange(QUERIES), np.arange(KEYS), indexing="ij")
-    group = 4 * (keys // 64) + (keys % 8) // 2
-    byte = 2 * ((keys % 64) // 8) + keys % 2
-    words = philox_4x32(SEED, (group, rows, np.full_like(rows, STREAM), np.full_like(rows, OFFSET)))
+    key_group = 4 * (keys // 32) + (keys % 8) // 2
+    query_group = 16 * (rows // 16) + rows % 8
+    byte = 8 * ((rows % 16) // 8) + 2 * ((keys % 32) // 8) + keys % 2
+    words = philox_4x32(SEED, (key_group, query_group, np.full_like(rows, STREAM), np.full_like(rows, OFFSET)))
     word = np.choose(byte // 4, words)
     draws = (word >> (8 * (byte % 4)).astype(np.uint64)) & np.uint64(0xFF)
     return torch.from_numpy(draws >= THRESHOLD)
@@ -64,11 +66,11 @@ def _keep_kernel(RngState, Out, stream, threshold, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @pytest.mark.parametrize("keys_first", [False, True], ids=["rows_first", "keys_first"])
+@pytest.mark.parametrize("block_m", [16, 64], ids=["m16", "m64"])
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
-def test_draws_follow_the_mapping_in_every_tiling(block_n, keys_first):
+def test_draws_follow_the_mapping_in_every_tiling(block_n, block_m, keys_first):
     rng_state = torch.tensor([SEED, OFFSET], dtype=torch.int64, device=DEVICE)
     out = torch.full((QUERIES, KEYS), -1, dtype=torch.int8, device=DEVICE)  # poisoned
-    block_m = 16
     _keep_kernel[(QUERIES // block_m, KEYS // block_n)](rng_state, out, STREAM, THRESHOLD, BLOCK_M=block_m,
                                                         BLOCK_N=block_n, KEYS_FIRST=keys_first, KEYS=KEYS)
     expected = expected_keep()
