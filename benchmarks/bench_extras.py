@@ -118,7 +118,7 @@ def host_time_table(fa, calls=200):
     providers = {"triton-fa": lambda q, k, v: fa.flash_attention_forward(q, k, v, causal=True),
                  "sdpa-flash": sdpa_flash}
     q, k, v = (torch.randn(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    print(f"\nhost time per call, back to back (bf16, 1 x 16 x 128 x 128, causal), microseconds:")
+    print("\nhost time per call, back to back (bf16, 1 x 16 x 128 x 128, causal), microseconds:")
     for name, attention in providers.items():
         steps = {"forward": lambda: attention(q, k, v),
                  "forward + backward": lambda: torch.autograd.grad(attention(q, k, v).sum(), (q, k, v))}
