@@ -16,7 +16,9 @@ masks); with attention sinks the running max and sum start from the sink's logit
 the final 1 / l. Key tiles come in the three ranges of ``scores.key_tile_ranges``: tiles crossing
 the window's left edge (masked), tiles every row of the block sees in full (no mask), and tiles
 crossing the causal diagonal, the window's right edge or the ragged sequence end (masked); tiles
-outside the band are never visited.
+outside the band are never visited. A window's kernel runs its full tiles first and then both
+masked ranges in one loop, which saves a pipeline fill and drain per program; other kernels run
+the full range, then the masked one.
 
 Dense and variable-length batches share the kernel: with IS_VARLEN a program reads its sequence's
 first row and length from cu_seqlens, and programs past the end of a shorter sequence exit at once
@@ -51,13 +53,19 @@ LN2 = tl.constexpr(0.6931471805599453)
 def _fwd_key_loop(
     acc_a, acc_b, row_sum, row_max, q_a, q_b,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-    offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout,
+    offs_m, kv_start, kv_end, skip, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
+    """Accumulate key tiles [kv_start, kv_end) into one query tile's output and row statistics.
+    A window's masked loop (MASK_LEFT and MASKED) visits both band edges: ``skip`` = (from, by)
+    moves the tiles from key ``from`` on by ``by`` keys, over the full tiles between the edges."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for tile_start in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        start_n = tile_start
+        if (MASK_LEFT & VARIANT) and MASKED:
+            start_n = tl.where(tile_start >= skip[0], tile_start + skip[1], tile_start)
         k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                   MASKED, USE_TMA)
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
@@ -134,23 +142,29 @@ def _attn_fwd_kernel(
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     row_max, row_sum = row_start(sink_log2, BLOCK_M, VARIANT)
-    if MASK_LEFT & VARIANT:  # tiles crossing the window's left edge
+    if MASK_LEFT & VARIANT:  # a window: its full tiles, then the tiles crossing either edge in one loop
         acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
             acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-            offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+            offs_m, full_lo, full_hi, (0, 0), seqlen_k, diag, window, score, dropout,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, False,
         )
-    acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
-        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-        offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
-    )
-    if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
         acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
             acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-            offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+            offs_m, lo, full_lo + (hi - full_hi), (full_lo, full_hi - full_lo), seqlen_k, diag, window, score,
+            dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
+    else:
+        acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
+            acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            offs_m, full_lo, full_hi, (0, 0), seqlen_k, diag, window, score, dropout,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
+        )
+        if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
+            acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
+                acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+                offs_m, full_hi, hi, (0, 0), seqlen_k, diag, window, score, dropout,
+                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+            )
 
     empty_row = row_sum == 0.0
     inv_sum = 1.0 / tl.where(empty_row, 1.0, row_sum)
