@@ -154,7 +154,7 @@ _GPU_WARP_SPECIALIZED = {
 
 # With dropout (scores.dropout_keep draws one Philox call per thread and 16 pairs), the dQ kernel
 # at width 128 is faster with 64-key tiles than with the 32-key tiles of its non-causal entry
-# (H200, NOTES v11: 1.19x its dropout backward).
+# (H200, NOTES v11: 1.18-1.19x its dropout backward).
 _GPU_DROPOUT = {
     ("bwd_dq", 128): TileConfig(128, 64, 8, 3, tma=True),
 }

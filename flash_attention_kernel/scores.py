@@ -198,6 +198,12 @@ def _bytes_reach(word, limit):
 
 
 @triton.jit
+def _pick_word(index, r0, r1, r2, r3):
+    """Word ``index`` (0-3, broadcast against the words) of a Philox call's four outputs."""
+    return tl.where(index == 0, r0, tl.where(index == 1, r1, tl.where(index == 2, r2, r3)))
+
+
+@triton.jit
 def _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPAN: tl.constexpr):
     """[BLOCK_M, BLOCK_N] keep mask from the words [A, r, T, c] of the tile's calls: each call's
@@ -231,10 +237,8 @@ def _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOC
     j = (keys % 32) // 8
     h = (tl.arange(0, BLOCK_M) // 8) % 2
     index = 2 * h[None, :] + (j // 2)[:, None]
-    word = tl.where(index == 0, _spread(r0, BLOCK_M, BLOCK_N, SPAN),
-                    tl.where(index == 1, _spread(r1, BLOCK_M, BLOCK_N, SPAN),
-                             tl.where(index == 2, _spread(r2, BLOCK_M, BLOCK_N, SPAN),
-                                      _spread(r3, BLOCK_M, BLOCK_N, SPAN))))
+    word = _pick_word(index, _spread(r0, BLOCK_M, BLOCK_N, SPAN), _spread(r1, BLOCK_M, BLOCK_N, SPAN),
+                      _spread(r2, BLOCK_M, BLOCK_N, SPAN), _spread(r3, BLOCK_M, BLOCK_N, SPAN))
     shift = (24 - 8 * (2 * (j % 2) + keys % 2)).to(tl.uint32)
     return (word << shift[:, None]) >= limit
 
@@ -268,10 +272,12 @@ def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl
     query_groups = tl.split(tl.permute(tl.reshape(offs_m, [BLOCK_M // 16, 2, 8]), (0, 2, 1)))[0]  # [A, r]: h = 0
     limit = threshold.to(tl.uint32) << 24
     if KEYS_FIRST:
-        r0, r1, r2, r3 = tl.philox(seed, key_groups[:, :, None, None], query_groups[None, None, :, :], stream, offset, 7)
+        r0, r1, r2, r3 = tl.philox(seed, key_groups[:, :, None, None], query_groups[None, None, :, :], stream,
+                                   offset, 7)
         keep = _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
     else:
-        r0, r1, r2, r3 = tl.philox(seed, key_groups[None, None, :, :], query_groups[:, :, None, None], stream, offset, 7)
+        r0, r1, r2, r3 = tl.philox(seed, key_groups[None, None, :, :], query_groups[:, :, None, None], stream,
+                                   offset, 7)
         keep = _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
     return keep
 
