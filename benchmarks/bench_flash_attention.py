@@ -162,7 +162,8 @@ def bench_varlen(fa, head_dim=128, dtype=torch.bfloat16):
 def make_benchmarks(args):
     return [
         triton.testing.Benchmark(
-            x_names=["seqlen"], x_vals=args.seqlens, line_arg="provider", line_vals=PROVIDERS, line_names=PROVIDERS,
+            x_names=["seqlen"], x_vals=args.seqlens, line_arg="provider", line_vals=args.providers,
+            line_names=args.providers,
             ylabel="TFLOP/s", x_log=True, plot_name=f"{direction}-{dtype}-d{head_dim}-{'causal' if causal else 'full'}",
             args=dict(direction=direction, dtype=dtype, head_dim=head_dim, causal=causal),
         )
@@ -180,13 +181,17 @@ def main(argv):
     parser.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--quick", action="store_true", help="bf16, head dim 128, seqlens 1k/4k/16k only")
     parser.add_argument("--varlen-only", action="store_true", help="only the mixed-length varlen table")
+    parser.add_argument("--no-varlen", action="store_true", help="no mixed-length varlen table")
+    parser.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS,
+                        help="triton-fa (this kernel) and the peers to time")
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.head_dims, args.dtypes = [1024, 4096, 16384], [128], ["bf16"]
     args.out.mkdir(parents=True, exist_ok=True)
 
     fa = load_kernel()
-    write_csv(args.out / "varlen.csv", bench_varlen(fa))
+    if not args.no_varlen:
+        write_csv(args.out / "varlen.csv", bench_varlen(fa))
     if args.varlen_only:
         return
     attention = Attention(fa)
@@ -201,9 +206,9 @@ def main(argv):
         frames = report.run(save_path=str(args.out), print_data=False, return_df=True)
         frame = frames[0] if isinstance(frames, list) else frames
         for record in frame.to_dict("records"):
-            tflops = {p: float(record[f"{p} (TFLOP/s)"]) for p in PROVIDERS}
+            tflops = {p: float(record[f"{p} (TFLOP/s)"]) for p in args.providers}
             rows.append({**settings, "seqlen": int(record["seqlen"]), **tflops})
-        print_rows([r for r in rows if all(r[key] == value for key, value in settings.items())])
+        print_rows([r for r in rows if all(r[key] == value for key, value in settings.items())], args.providers)
 
     write_csv(args.out / "summary.csv", rows)
     print(f"\nwrote summary.csv, varlen.csv and one CSV/PNG per table to {args.out}")
@@ -217,14 +222,15 @@ def write_csv(path, rows):
         writer.writerows(rows)
 
 
-def print_rows(rows):
+def print_rows(rows, providers):
     first = rows[0]
     print(f"\n{first['direction']} {first['dtype']} d={first['head_dim']} {'causal' if first['causal'] else 'non-causal'}"
           " (TFLOP/s; ratio = triton-fa / peer)")
-    print(f"{'seqlen':>6} " + " ".join(f"{p:>14}" for p in PROVIDERS) + " " + " ".join(f"{'x' + p:>16}" for p in PROVIDERS[1:]))
+    peers = [p for p in providers if p != "triton-fa"]
+    print(f"{'seqlen':>6} " + " ".join(f"{p:>14}" for p in providers) + " " + " ".join(f"{'x' + p:>16}" for p in peers))
     for row in rows:
-        ratios = [row["triton-fa"] / row[p] if row[p] and not math.isnan(row[p]) else float("nan") for p in PROVIDERS[1:]]
-        print(f"{row['seqlen']:>6} " + " ".join(f"{row[p]:>14.1f}" for p in PROVIDERS) + " "
+        ratios = [row["triton-fa"] / row[p] if row[p] and not math.isnan(row[p]) else float("nan") for p in peers]
+        print(f"{row['seqlen']:>6} " + " ".join(f"{row[p]:>14.1f}" for p in providers) + " "
               + " ".join(f"{r:>16.2f}" for r in ratios))
 
 

@@ -1,27 +1,44 @@
-"""Registers, spills and shared memory of the kernels for Hopper, without a GPU.
+"""Registers, spills and shared memory of the kernels for each GPU architecture, without a GPU.
 
-Cross-compiles a kernel for sm_90a with Triton's own compiler and assembles it with the ptxas
-that ships in Triton's wheel, then prints what ``ptxas -v`` reports plus the count of wgmma and
-mma.sync instructions in the PTX. Pointer and integer arguments are marked divisible by 16, as
-real launches specialise them (without that, every load compiles to scalar loads and the report
-says nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
+Cross-compiles a kernel for an architecture (sm_90a by default) with Triton's own compiler (and
+the ptxas in Triton's wheel), then prints the binary's registers per thread and stack frame
+(local memory: spills; from cuobjdump -res-usage), its shared memory (Triton's allocation, what
+its launch checks against the GPU's limit) and the count of wgmma, tcgen05 and mma.sync
+instructions in the PTX. Pointer and integer arguments are marked divisible by 16, as real
+launches specialise them (without that, every load compiles to scalar loads and the report says
+nothing about the real kernel); sequence lengths are not specialised, as in the kernels.
 
-Usage: python benchmarks/resource_report.py [--variant causal,softcap,...] [--ptx DIR]
+With --table it checks the config tables instead: every distinct entry of every GPU class
+(configs.GPU_CLASSES; or of the classes named) is compiled for each architecture of the class and
+its shared memory compared with the class's limit (exit status 1 if any entry exceeds it). An
+entry is compiled once, at the widest head-dim width that takes it (shared memory grows with the
+width), with every option of the kernel compiled in (window masks, softcap, ALiBi, sinks,
+dropout; the warp-specialised loops take what they support), as a launch on that architecture
+would build it: tensor descriptors only from sm_90, warp specialisation only on sm_90
+(launch.warp_specialize), 2-byte inputs as fp16 on sm_75 (bf16 needs sm_80).
+
+Usage: python benchmarks/resource_report.py [--arch 90] [--variant causal,softcap,...] [--ptx DIR]
            fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
        (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
        with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
-       loop, which reads through descriptors too; --variant: the options compiled in, any of
-       causal, window, softcap, alibi, sinks, dropout, tanh_approx; --ptx: also write each kernel's PTX,
-       without its debug sections and line records, to DIR, so that two trees' kernels can be
-       compared with diff: identical files mean identical plain kernels)
+       loop, which reads through descriptors too; --arch: compute capability as one number (75, 80,
+       86, 89, 90, 100, 120); --variant: the options compiled in, any of causal, window, softcap,
+       alibi, sinks, dropout, tanh_approx; --ptx: also write each kernel's PTX, without its debug
+       sections and line records, to DIR, so that two trees' kernels can be compared with diff:
+       identical files mean identical plain kernels)
+       python benchmarks/resource_report.py --table [sm90 sm80 sm86 sm75] [--jobs 2]
 """
 
+import contextlib
+import multiprocessing
 import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -66,8 +83,16 @@ def _code_only(ptx):
                      and not re.fullmatch(r"\$L__tmp\d+:", line.strip()))
 
 
+def _cuobjdump():
+    try:
+        from triton import knobs
+        return knobs.nvidia.cuobjdump.path
+    except (ImportError, AttributeError):
+        return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
 def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, variant=0,
-           specialized=False, ptx_path=None):
+           specialized=False, ptx_path=None, arch=90):
     kernel = KERNELS[kernel_name]
     dim_a, dim_b = configs.head_dim_chunks(head_dim)
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
@@ -81,26 +106,127 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
                  if signature[name] not in ("constexpr", "fp32") and not name.startswith("seqlen")
                  and name not in SCALAR_OPTIONS}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=divisible),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
     if ptx_path is not None:
         Path(ptx_path).write_text(_code_only(ptx))
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        log = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True, check=True).stderr
-    registers, spills = (re.search(pattern, log) for pattern in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
-    if registers is None or spills is None:
-        raise RuntimeError(f"unexpected ptxas report: {log[:500]}")
-    registers, spills = int(registers.group(1)), int(spills.group(1))
-    return dict(registers=registers, spill_bytes=spills, shared_bytes=compiled.metadata.shared,
-                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
+        (Path(tmp) / "k.cubin").write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(_cuobjdump()), "-res-usage", f"{tmp}/k.cubin"], capture_output=True, text=True,
+                               check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"unexpected cuobjdump report: {usage[:500]}")
+    registers, stack = map(int, found.groups())
+    return dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
+                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"), tcgen05=ptx.count("tcgen05.mma"))
+
+
+TABLE_KERNELS = {"fwd": "fwd", "bwd_dkdv": "dkdv", "bwd_dq": "dq"}
+# every head-dim width the kernels compute (one or two power-of-two chunks), for head dims 1-256
+WIDTHS = sorted({sum(configs.head_dim_chunks(head_dim)) for head_dim in range(1, 257)})
+_OPTIONS = options.SOFTCAP | options.ALIBI | options.SINKS
+FULL_VARIANT = options.MASK_LEFT | options.MASK_RIGHT | _OPTIONS | options.DROPOUT
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One compilation the table check makes: a config of ``gpu``'s table, for ``arch``."""
+
+    gpu: str
+    arch: int
+    kernel: str  # fwd, dkdv, dq
+    dtype: str
+    head_dim: int
+    config: configs.TileConfig
+    specialized: bool
+
+    @property
+    def variant(self) -> int:
+        tanh = options.TANH_APPROX if self.dtype != "fp32" else 0
+        return (_OPTIONS if self.specialized else FULL_VARIANT) | tanh
+
+    def compile(self) -> dict:
+        c = self.config
+        return report(self.kernel, self.dtype, self.head_dim, c.block_m, c.block_n, c.num_warps, c.num_stages,
+                      c.tma and self.arch >= 90, self.variant, self.specialized, arch=self.arch)
+
+    def __str__(self) -> str:
+        c = self.config
+        return (f"{self.gpu} sm_{self.arch} {self.kernel} {self.dtype} d{self.head_dim} "
+                f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}{'xtma' if c.tma and self.arch >= 90 else ''}"
+                f"{'xws' if self.specialized else ''}")
+
+
+def table_entries(gpu: configs.GpuClass) -> list:
+    """The distinct compilations of ``gpu``'s table: each (architecture, kernel, dtype, config,
+    warp-specialised?) once, at the widest width that takes it."""
+    widest = {}
+    two_byte = "fp16" if gpu.capabilities == ((7, 5),) else "bf16"
+    for major, minor in gpu.capabilities:
+        arch = 10 * major + minor
+        for kernel, short_name in TABLE_KERNELS.items():
+            for dtype, torch_dtype in ((two_byte, torch.float16), ("fp32", torch.float32)):
+                for width in WIDTHS:
+                    for mask in ("none", "causal", "window"):
+                        for seqlen in (*configs.SEQLEN_BUCKETS, 1 << 20):
+                            for dropout in (False, True):
+                                config = configs.tile_config(kernel, width, torch_dtype, False, mask, seqlen, dropout,
+                                                             gpu.name)
+                                key = (arch, short_name, dtype, config, False)
+                                widest[key] = max(widest.get(key, 0), width)
+                            specialized = configs.warp_specialized_config(kernel, width, torch_dtype, False, mask,
+                                                                          seqlen, gpu.name)
+                            if specialized is not None and major == 9:
+                                key = (arch, short_name, dtype, specialized, True)
+                                widest[key] = max(widest.get(key, 0), width)
+    return [TableEntry(gpu.name, arch, kernel, dtype, width, config, specialized)
+            for (arch, kernel, dtype, config, specialized), width in widest.items()]
+
+
+def _check(entry):
+    try:
+        return entry, entry.compile(), None
+    except Exception as error:  # reported as a failed entry
+        return entry, None, f"{type(error).__name__}: {str(error)[:300]}"
+
+
+def check_tables(class_names, jobs=1) -> bool:
+    """Compile every table entry of the named classes and print each against its class's limit;
+    True when every entry compiles and fits."""
+    classes = [gpu for gpu in configs.GPU_CLASSES if not class_names or gpu.name in class_names]
+    entries = [entry for gpu in classes for entry in table_entries(gpu)]
+    limits = {gpu.name: gpu.shared_memory for gpu in classes}
+    ok = True
+    with multiprocessing.Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        results = pool.imap(_check, entries) if pool else map(_check, entries)
+        for entry, result, error in results:
+            if error is not None:
+                ok = False
+                print(f"{entry}: failed ({error})", flush=True)
+                continue
+            fits = result["shared_bytes"] <= limits[entry.gpu]
+            ok = ok and fits
+            print(f"{entry}: shared {result['shared_bytes']} / {limits[entry.gpu]} {'ok' if fits else 'EXCEEDS'}, "
+                  f"registers {result['registers']}, stack {result['stack_bytes']}", flush=True)
+    return ok
 
 
 def main(argv):
+    if "--table" in argv:
+        jobs = 1
+        if "--jobs" in argv:
+            at = argv.index("--jobs")
+            jobs = int(argv[at + 1])
+            argv = argv[:at] + argv[at + 2:]
+        sys.exit(0 if check_tables([name for name in argv if name != "--table"], jobs) else 1)
     if len(argv) < 4:
         sys.exit(__doc__)
+    arch = 90
+    if "--arch" in argv:
+        at = argv.index("--arch")
+        arch = int(argv[at + 1])
+        argv = argv[:at] + argv[at + 2:]
     variant = 0
     if "--variant" in argv:
         at = argv.index("--variant")
@@ -120,7 +246,7 @@ def main(argv):
         try:
             ptx_path = ptx_dir / f"{kernel_name}-{dtype}-d{head_dim}-v{variant}-{config}.ptx" if ptx_dir else None
             result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, "tma" in fields[4:],
-                            variant, "ws" in fields[4:], ptx_path)
+                            variant, "ws" in fields[4:], ptx_path, arch)
         except Exception as error:
             print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
             continue

@@ -9,7 +9,7 @@ current entry. The forward is timed alone; each backward kernel is timed through
 backward with the other kernel at its current config (computing delta is common to all
 candidates). Run it with --seqlen 1024 / 2048 for the short-sequence entries (configs.SEQLEN_BUCKETS).
 
-With --warp-specialized it tunes the warp-specialised entries instead (configs._GPU_WARP_SPECIALIZED:
+With --warp-specialized it tunes the warp-specialised entries instead (the warp_specialized entries of configs.TABLES:
 forward and dQ kernel, non-causal, tiles through descriptors); it stops if the launch would not
 take that path here (launch.warp_specialize: a Hopper GPU and a checked Triton, or
 FLASH_ATTENTION_WS=1). Its candidates are those seen to compile on Triton 3.6 (benchmarks/NOTES.md,
@@ -93,10 +93,11 @@ def _current(kernel, head_dim, causal, seqlen, specialized):
     """The table's entry for the tuned kernel, as a tuple (None where it has no such entry)."""
     configs.OVERRIDES.clear()
     mask = _options(head_dim, causal).mask_kind
+    gpu = launch_module.device_gpu_class(torch.device("cuda", torch.cuda.current_device())).name
     if specialized:
-        config = configs.warp_specialized_config(kernel, head_dim, torch.bfloat16, False, mask, seqlen)
+        config = configs.warp_specialized_config(kernel, head_dim, torch.bfloat16, False, mask, seqlen, gpu)
     else:
-        config = configs.tile_config(kernel, head_dim, torch.bfloat16, False, mask, seqlen)
+        config = configs.tile_config(kernel, head_dim, torch.bfloat16, False, mask, seqlen, gpu=gpu)
     return astuple(config) if config is not None else None
 
 
@@ -105,7 +106,8 @@ def _takes_warp_specialization(kernel, head_dim, causal, tensors):
     q, k = tensors[:2]
     layout = launch_module.SequenceLayout.of(q, k)
     read = tensors[:3] if kernel == "fwd" else tensors
-    return launch_module.launch_plan(kernel, head_dim, q.dtype, _options(head_dim, causal), layout, False, *read)[1]
+    return launch_module.launch_plan(kernel, head_dim, q.dtype, _options(head_dim, causal), layout, False,
+                                     *read).specialized
 
 
 def _run(kernel, head_dim, causal, tensors):

@@ -36,7 +36,7 @@ import triton.language as tl
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_plan, precision_mode,
+    launch_fitting, launch_plan, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import (
@@ -342,27 +342,35 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
 
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
     # (the dK/dV kernel has no warp-specialised loop, nor table entry: Triton 3.6 fails on it, NOTES v6)
-    dkdv_config, _, dkdv_tma = launch_plan("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
-    dq_config, dq_specialized, dq_tma = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted,
-                                                    q, k, v, dout)
-    if (dkdv_tma or dq_tma) and not interpreted:
+    dkdv_plan = launch_plan("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
+    dq_plan = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
+    if (dkdv_plan.tma or dq_plan.tma) and not interpreted:
         ensure_scratch_allocator()
     # A plain dense dQ kernel computes delta itself and runs first, saving the preprocess launch
     # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
     # that behind the extra prologue (benchmarks/NOTES.md, v7 and v8).
-    delta_in_dq = not dq_specialized and not layout.is_varlen
+    delta_in_dq = not dq_plan.specialized and not layout.is_varlen
 
-    def launch_dq():
-        wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, dq_config.block_m), num_heads, layout.batch)](
+    def launch_dq(config, specialized):
+        wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
             q, k, v, dout, out, lse, dlse, delta, dq, *layout.cu_seqlens(),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
-            USE_TMA=dq_tma, WARP_SPECIALIZE=dq_specialized, COMPUTE_DELTA=delta_in_dq, HAS_DLSE=has_dlse,
-            **dq_config.launch_args(),
+            USE_TMA=dq_plan.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq, HAS_DLSE=has_dlse,
+            **config.launch_args(),
+        )
+
+    def launch_dkdv(config, specialized):
+        wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)](
+            q, k, v, dout, lse, delta, dk, dv, *layout.cu_seqlens(),
+            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
+            *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
+            *option_args, **common, **matmul,
+            USE_TMA=dkdv_plan.tma, **config.launch_args(),
         )
 
     if delta_in_dq:
-        launch_dq()
+        launch_fitting(dq_plan, launch_dq)
     else:
         pre_block = 64 if not interpreted else 32
         wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
@@ -370,16 +378,9 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
-
-    wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(layout.seqlen_k, dkdv_config.block_n), num_heads_kv, layout.batch)](
-        q, k, v, dout, lse, delta, dk, dv, *layout.cu_seqlens(),
-        *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
-        *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
-        *option_args, **common, **matmul,
-        USE_TMA=dkdv_tma, **dkdv_config.launch_args(),
-    )
+    launch_fitting(dkdv_plan, launch_dkdv)
     if not delta_in_dq:
-        launch_dq()
+        launch_fitting(dq_plan, launch_dq)
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)
 
 

@@ -1,11 +1,14 @@
 """Launch configurations: tile sizes, warps and pipeline stages for each kernel.
 
-Configs are picked from a small fixed table keyed by the head-dim width the kernels compute
-(the padded head dim, or the sum of its two chunks where one exists), the kind of masking
-("none", "causal" or "window"), a sequence-length bucket (SEQLEN_BUCKETS) and the element size;
-there is no run-time autotuning, so a new shape never pays for a tuning sweep and a new sequence
-length never recompiles (sequence lengths are plain runtime integers in every kernel). The tuner
-replaces an entry for a whole run through ``set_override``.
+Configs are picked from a small fixed table per GPU class (GPU_CLASSES: the GPU's capability and
+per-block shared memory), keyed by the head-dim width the kernels compute (the padded head dim,
+or the sum of its two chunks where one exists), the kind of masking ("none", "causal" or
+"window"), a sequence-length bucket (SEQLEN_BUCKETS) and the element size; there is no run-time
+autotuning, so a new shape never pays for a tuning sweep and a new sequence length never
+recompiles (sequence lengths are plain runtime integers in every kernel). The tuner replaces an
+entry for a whole run through ``set_override``. Every entry fits its class's shared memory
+(tests/test_resource_arch.py); should a Triton release allocate more, the launchers step down
+through ``smaller_config`` (launch.launch_fitting).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) the kernels run with small, deliberately unequal tiles
 (BLOCK_M != BLOCK_N) so that the small test sequences still cross several tiles, partial tiles and
@@ -13,7 +16,7 @@ causal diagonals that do not fall on tile boundaries.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -61,112 +64,265 @@ _INTERPRETER = {
     "bwd_dq": TileConfig(64, 32, 4, 1),
 }
 
+# GPU classes. What bounds a config on a GPU is its per-block shared memory (the pipeline's
+# buffers live there) and which matrix instructions Triton compiles tl.dot to: wgmma (sm_90) or
+# tcgen05 (sm_100), Ampere's mma.sync (sm_80 to sm_89, sm_120), and below sm_80 plain FMAs
+# (Triton has no tensor-core path for Turing since 3.2). Each class has its own table below; every
+# entry of every class is compiled for each member architecture by
+# tests/test_resource_arch.py, which checks it against the class's limit.
+@dataclass(frozen=True)
+class GpuClass:
+    """GPUs that share one config table: ``shared_memory`` is the class's per-block limit in
+    bytes (torch's shared_memory_per_block_optin), ``capabilities`` its members."""
+
+    name: str
+    shared_memory: int
+    capabilities: tuple
+
+    def __str__(self) -> str:
+        return self.name
+
+
+GPU_CLASSES = (
+    GpuClass("sm90", 232448, ((9, 0),)),  # H100, H200, GH200 (227 KB)
+    GpuClass("sm100", 232448, ((10, 0), (10, 3))),  # B200, GB200, B300 (227 KB)
+    GpuClass("sm80", 166912, ((8, 0), (8, 7))),  # A100, A800, A30; Jetson Orin (163 KB)
+    GpuClass("sm86", 101376, ((8, 6), (8, 9), (12, 0))),  # RTX 30xx, A10, A40; RTX 40xx, L4, L40; RTX 50xx (99 KB)
+    GpuClass("sm75", 65536, ((7, 5),)),  # T4, RTX 20xx (64 KB)
+)
+MIN_CAPABILITY = (7, 5)
+
+
+def gpu_class(capability: tuple, shared_memory: int) -> GpuClass:
+    """The class of a GPU of ``capability`` (major, minor) with ``shared_memory`` bytes per
+    block: its own where its capability is listed and it has that class's memory, else (an
+    unknown GPU) the largest class whose memory it has among those whose instructions it has (the
+    newest of equals)."""
+    for cls in GPU_CLASSES:
+        if tuple(capability) in cls.capabilities and shared_memory >= cls.shared_memory:
+            return cls
+    fitting = [cls for cls in GPU_CLASSES
+               if cls.shared_memory <= shared_memory and tuple(capability) >= min(cls.capabilities)]
+    if not fitting:
+        raise ValueError(f"no config class for a GPU of capability {capability} with {shared_memory} bytes of "
+                         f"shared memory per block (the smallest class needs {GPU_CLASSES[-1].shared_memory})")
+    return max(fitting, key=lambda cls: (cls.shared_memory, min(cls.capabilities)))
+
+
+@dataclass(frozen=True)
+class ConfigTable:
+    """The configs of one GPU class.
+
+    ``two_byte``: (kernel, width, mask) -> config for fp16/bf16, width the head-dim width the
+    kernels compute (configs.head_dim_chunks); a width without an entry takes its padded power of
+    two's, a mask without one takes _FALLBACK_MASK's. ``fp32``: (kernel, widest padded head dim)
+    -> config, the narrowest entry that holds the head dim. ``short``: per sequence-length bucket,
+    entries that beat ``two_byte``'s on short sequences. ``warp_specialized``: (kernel, width,
+    mask) -> (config, shortest sequence it is used at). ``dropout``: (kernel, width) -> config
+    with dropout."""
+
+    two_byte: dict
+    fp32: dict
+    short: dict = field(default_factory=dict)
+    warp_specialized: dict = field(default_factory=dict)
+    dropout: dict = field(default_factory=dict)
+
+
+def _any_mask(entries: dict) -> dict:
+    """(kernel, width) -> config entries as (kernel, width, mask) entries, one per mask kind."""
+    return {(kernel, width, mask): config for (kernel, width), config in entries.items() for mask in ("none", "causal")}
+
+
 # Sequence-length buckets: a problem whose longest sequence (the longer of seqlen_q and seqlen_k)
-# has at most this many rows takes that bucket's _GPU_SHORT entries, where it has one (the smallest
-# such bucket first), and _GPU's otherwise.
+# has at most this many rows takes that bucket's ``short`` entries, where it has one (the smallest
+# such bucket first), and ``two_byte``'s otherwise.
 SEQLEN_BUCKETS = (1024, 2048)
 
 # Masks without entries of their own take another mask's: windows mask on both sides of the
 # band, as causal calls mask the diagonal.
 _FALLBACK_MASK = {"window": "causal"}
 
-# GPU table for 2-byte inputs: (kernel, computed head-dim width, mask) -> config, tuned by
-# benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16; see
-# benchmarks/NOTES.md, v2 to v4; the causal d128 forward and dQ entries read through descriptors
-# since v9, 3-14 % faster in both layouts with and without options). tma=True reads the tiles
-# through tensor descriptors where the GPU and the inputs allow it (launch.use_tma), plain loads
-# elsewhere, e.g. on Ampere. Widths of two chunks (80, 96, 160, 192, ...) take the padded power
-# of two's entry where they have none.
-_GPU = {
-    ("fwd", 16, "none"): TileConfig(64, 64, 4, 3),
-    ("fwd", 16, "causal"): TileConfig(64, 64, 4, 3),
-    ("fwd", 32, "none"): TileConfig(64, 64, 4, 3),
-    ("fwd", 32, "causal"): TileConfig(64, 64, 4, 3),
-    ("fwd", 64, "none"): TileConfig(128, 64, 8, 3),
-    ("fwd", 64, "causal"): TileConfig(128, 64, 8, 3),
-    ("fwd", 128, "none"): TileConfig(128, 128, 8, 3, tma=True),
-    ("fwd", 128, "causal"): TileConfig(128, 128, 8, 3, tma=True),
-    ("fwd", 256, "none"): TileConfig(128, 64, 8, 2),
-    ("fwd", 256, "causal"): TileConfig(128, 64, 8, 2),
-    ("fwd", 80, "none"): TileConfig(128, 64, 8, 3, tma=True),
-    ("fwd", 80, "causal"): TileConfig(128, 64, 4, 3),
-    ("fwd", 96, "none"): TileConfig(128, 64, 8, 3, tma=True),
-    ("fwd", 96, "causal"): TileConfig(128, 64, 4, 3, tma=True),
-    ("fwd", 192, "none"): TileConfig(128, 64, 8, 3),
-    ("fwd", 192, "causal"): TileConfig(128, 64, 8, 3),
-    ("bwd_dkdv", 16, "none"): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 16, "causal"): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 32, "none"): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 32, "causal"): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 64, "none"): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 64, "causal"): TileConfig(64, 64, 4, 2),
-    ("bwd_dkdv", 128, "none"): TileConfig(64, 64, 4, 2, tma=True),
-    ("bwd_dkdv", 128, "causal"): TileConfig(64, 128, 8, 3, tma=True),
-    ("bwd_dkdv", 256, "none"): TileConfig(64, 64, 8, 2),
-    ("bwd_dkdv", 256, "causal"): TileConfig(64, 64, 8, 2),
-    ("bwd_dkdv", 80, "none"): TileConfig(64, 64, 4, 2, tma=True),
-    ("bwd_dkdv", 80, "causal"): TileConfig(64, 64, 4, 2, tma=True),
-    ("bwd_dkdv", 96, "causal"): TileConfig(64, 64, 4, 3, tma=True),
-    ("bwd_dkdv", 192, "none"): TileConfig(32, 128, 8, 3),
-    ("bwd_dkdv", 192, "causal"): TileConfig(32, 128, 8, 3),
-    ("bwd_dq", 16, "none"): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 16, "causal"): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 32, "none"): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 32, "causal"): TileConfig(64, 64, 4, 3),
-    ("bwd_dq", 64, "none"): TileConfig(128, 64, 8, 3),
-    ("bwd_dq", 64, "causal"): TileConfig(128, 64, 8, 3),
-    ("bwd_dq", 128, "none"): TileConfig(128, 32, 8, 3),
-    ("bwd_dq", 128, "causal"): TileConfig(128, 64, 8, 3, tma=True),
-    ("bwd_dq", 256, "none"): TileConfig(128, 32, 8, 3),
-    ("bwd_dq", 256, "causal"): TileConfig(128, 32, 8, 3),
-    ("bwd_dq", 80, "causal"): TileConfig(128, 32, 4, 3),
-    ("bwd_dq", 96, "causal"): TileConfig(128, 32, 8, 3),
-}
-
-# Entries that beat _GPU's on short sequences, per bucket (tuned with --seqlen 1024 / 2048; at
-# N = 512 too for the first bucket). The causal d128 dK/dV kernel takes 128-key tiles from 4k rows
-# on and the smaller ones below (benchmarks/NOTES.md, v8).
-_GPU_SHORT = {
-    1024: {
-        ("fwd", 64, "causal"): TileConfig(64, 64, 4, 3),
-        ("fwd", 128, "none"): TileConfig(128, 32, 8, 3),
-        ("fwd", 128, "causal"): TileConfig(64, 64, 4, 3),
-        ("bwd_dkdv", 128, "causal"): TileConfig(32, 64, 4, 2),
+# sm90: tuned by benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16;
+# see benchmarks/NOTES.md, v2 to v4; the causal d128 forward and dQ entries read through
+# descriptors since v9, 3-14 % faster in both layouts with and without options). tma=True reads
+# the tiles through tensor descriptors where the GPU and the inputs allow it (launch.use_tma),
+# plain loads elsewhere. Widths of two chunks (80, 96, 160, 192, ...) take the padded power of
+# two's entry where they have none.
+_SM90 = ConfigTable(
+    two_byte={
+        ("fwd", 16, "none"): TileConfig(64, 64, 4, 3),
+        ("fwd", 16, "causal"): TileConfig(64, 64, 4, 3),
+        ("fwd", 32, "none"): TileConfig(64, 64, 4, 3),
+        ("fwd", 32, "causal"): TileConfig(64, 64, 4, 3),
+        ("fwd", 64, "none"): TileConfig(128, 64, 8, 3),
+        ("fwd", 64, "causal"): TileConfig(128, 64, 8, 3),
+        ("fwd", 128, "none"): TileConfig(128, 128, 8, 3, tma=True),
+        ("fwd", 128, "causal"): TileConfig(128, 128, 8, 3, tma=True),
+        ("fwd", 256, "none"): TileConfig(128, 64, 8, 2),
+        ("fwd", 256, "causal"): TileConfig(128, 64, 8, 2),
+        ("fwd", 80, "none"): TileConfig(128, 64, 8, 3, tma=True),
+        ("fwd", 80, "causal"): TileConfig(128, 64, 4, 3),
+        ("fwd", 96, "none"): TileConfig(128, 64, 8, 3, tma=True),
+        ("fwd", 96, "causal"): TileConfig(128, 64, 4, 3, tma=True),
+        ("fwd", 192, "none"): TileConfig(128, 64, 8, 3),
+        ("fwd", 192, "causal"): TileConfig(128, 64, 8, 3),
+        ("bwd_dkdv", 16, "none"): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 16, "causal"): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 32, "none"): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 32, "causal"): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 64, "none"): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 64, "causal"): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 128, "none"): TileConfig(64, 64, 4, 2, tma=True),
+        ("bwd_dkdv", 128, "causal"): TileConfig(64, 128, 8, 3, tma=True),
+        ("bwd_dkdv", 256, "none"): TileConfig(64, 64, 8, 2),
+        ("bwd_dkdv", 256, "causal"): TileConfig(64, 64, 8, 2),
+        ("bwd_dkdv", 80, "none"): TileConfig(64, 64, 4, 2, tma=True),
+        ("bwd_dkdv", 80, "causal"): TileConfig(64, 64, 4, 2, tma=True),
+        ("bwd_dkdv", 96, "causal"): TileConfig(64, 64, 4, 3, tma=True),
+        ("bwd_dkdv", 192, "none"): TileConfig(32, 128, 8, 3),
+        ("bwd_dkdv", 192, "causal"): TileConfig(32, 128, 8, 3),
+        ("bwd_dq", 16, "none"): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 16, "causal"): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 32, "none"): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 32, "causal"): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 64, "none"): TileConfig(128, 64, 8, 3),
+        ("bwd_dq", 64, "causal"): TileConfig(128, 64, 8, 3),
+        ("bwd_dq", 128, "none"): TileConfig(128, 32, 8, 3),
+        ("bwd_dq", 128, "causal"): TileConfig(128, 64, 8, 3, tma=True),
+        ("bwd_dq", 256, "none"): TileConfig(128, 32, 8, 3),
+        ("bwd_dq", 256, "causal"): TileConfig(128, 32, 8, 3),
+        ("bwd_dq", 80, "causal"): TileConfig(128, 32, 4, 3),
+        ("bwd_dq", 96, "causal"): TileConfig(128, 32, 8, 3),
     },
-    2048: {
-        ("fwd", 128, "none"): TileConfig(64, 64, 4, 3, tma=True),
-        ("bwd_dkdv", 128, "causal"): TileConfig(32, 64, 4, 2),
+    # fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
+    # registers: small tiles keep them out of local memory (benchmarks/resource_report.py).
+    fp32={
+        ("fwd", 128): TileConfig(64, 32, 8, 2),
+        ("bwd_dkdv", 128): TileConfig(32, 32, 8, 2),
+        ("bwd_dq", 128): TileConfig(64, 32, 8, 2),
+        ("fwd", 256): TileConfig(64, 32, 8, 2),
+        ("bwd_dkdv", 256): TileConfig(16, 32, 8, 1),
+        ("bwd_dq", 256): TileConfig(32, 16, 8, 1),
     },
-}
+    # Tuned with --seqlen 1024 / 2048 (at N = 512 too for the first bucket). The causal d128 dK/dV
+    # kernel takes 128-key tiles from 4k rows on and the smaller ones below (NOTES v8).
+    short={
+        1024: {
+            ("fwd", 64, "causal"): TileConfig(64, 64, 4, 3),
+            ("fwd", 128, "none"): TileConfig(128, 32, 8, 3),
+            ("fwd", 128, "causal"): TileConfig(64, 64, 4, 3),
+            ("bwd_dkdv", 128, "causal"): TileConfig(32, 64, 4, 2),
+        },
+        2048: {
+            ("fwd", 128, "none"): TileConfig(64, 64, 4, 3, tma=True),
+            ("bwd_dkdv", 128, "causal"): TileConfig(32, 64, 4, 2),
+        },
+    },
+    # Only where they beat the plain loop on the H200 (NOTES v6): the plain loop is faster for the
+    # forward at widths 64, 80 and 96, for the dQ kernel below 4k rows, and for the dK/dV kernel
+    # always (Triton 3.6 also fails to compile it and the dQ kernel warp-specialised with 4 warps).
+    warp_specialized={
+        ("fwd", 128, "none"): (TileConfig(128, 128, 4, 2, tma=True), 0),
+        ("fwd", 192, "none"): (TileConfig(128, 64, 4, 2, tma=True), 0),
+        ("fwd", 256, "none"): (TileConfig(128, 64, 4, 2, tma=True), 0),
+        ("bwd_dq", 128, "none"): (TileConfig(128, 128, 8, 2, tma=True), 4096),
+    },
+    # With dropout (scores.dropout_keep draws one Philox call per thread and 16 pairs), the dQ
+    # kernel at width 128 is faster with 64-key tiles than with the 32-key tiles of its non-causal
+    # entry (H200, NOTES v11: 1.18-1.19x its dropout backward).
+    dropout={
+        ("bwd_dq", 128): TileConfig(128, 64, 8, 3, tma=True),
+    },
+)
 
-# Warp-specialised entries, (kernel, width, mask) -> (config, shortest sequence it is used at):
-# launch.warp_specialize decides whether a call can take one, the plain entries above serve every
-# other call. Only where they beat the plain loop on the H200 (benchmarks/NOTES.md, v6): the plain
-# loop is faster for the forward at widths 64, 80 and 96, for the dQ kernel below 4k rows, and for
-# the dK/dV kernel always (Triton 3.6 also fails to compile it and the dQ kernel warp-specialised
-# with 4 warps).
-_GPU_WARP_SPECIALIZED = {
-    ("fwd", 128, "none"): (TileConfig(128, 128, 4, 2, tma=True), 0),
-    ("fwd", 192, "none"): (TileConfig(128, 64, 4, 2, tma=True), 0),
-    ("fwd", 256, "none"): (TileConfig(128, 64, 4, 2, tma=True), 0),
-    ("bwd_dq", 128, "none"): (TileConfig(128, 128, 8, 2, tma=True), 4096),
-}
+# sm100 (227 KB, tcgen05; B200): Hopper's table where its entries fit (tl.dot there keeps its
+# accumulator in tensor memory and stages its operands differently, so some take more shared
+# memory: resource_report.py --table sm100), one stage or tile step less where they do not; no
+# warp-specialised loops (launch.warp_specialize: checked on Hopper only). Not timed on a B200.
+_SM100 = ConfigTable(
+    two_byte={
+        **_SM90.two_byte,
+        ("fwd", 128, "none"): TileConfig(128, 128, 8, 2, tma=True),
+        ("fwd", 128, "causal"): TileConfig(128, 128, 8, 2, tma=True),
+        ("bwd_dkdv", 256, "none"): TileConfig(64, 64, 8, 1),
+        ("bwd_dkdv", 256, "causal"): TileConfig(64, 64, 8, 1),
+        ("bwd_dq", 256, "none"): TileConfig(128, 32, 8, 2),
+        ("bwd_dq", 256, "causal"): TileConfig(128, 32, 8, 2),
+    },
+    fp32=_SM90.fp32,
+    short=_SM90.short,
+    dropout=_SM90.dropout,
+)
 
-# With dropout (scores.dropout_keep draws one Philox call per thread and 16 pairs), the dQ kernel
-# at width 128 is faster with 64-key tiles than with the 32-key tiles of its non-causal entry
-# (H200, NOTES v11: 1.18-1.19x its dropout backward).
-_GPU_DROPOUT = {
-    ("bwd_dq", 128): TileConfig(128, 64, 8, 3, tma=True),
-}
+# sm80 (163 KB, mma.sync): FlashAttention-2's tile shapes for the A100 where they fit with few
+# spills, checked by cross-compilation (benchmarks/resource_report.py --arch 80: every entry
+# below 150 KB); timed on an H200 under emulation (NOTES v12), not on an A100.
+_SM80 = ConfigTable(
+    two_byte=_any_mask({
+        ("fwd", 16): TileConfig(64, 64, 4, 3),
+        ("fwd", 32): TileConfig(64, 64, 4, 3),
+        ("fwd", 64): TileConfig(128, 64, 8, 3),
+        ("fwd", 128): TileConfig(128, 64, 8, 3),
+        ("fwd", 256): TileConfig(128, 64, 8, 2),
+        ("bwd_dkdv", 16): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 32): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 64): TileConfig(64, 128, 8, 3),
+        ("bwd_dkdv", 128): TileConfig(64, 64, 8, 2),
+        ("bwd_dkdv", 256): TileConfig(64, 64, 8, 2),
+        ("bwd_dq", 16): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 32): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 64): TileConfig(128, 64, 8, 3),
+        ("bwd_dq", 128): TileConfig(128, 32, 8, 3),
+        ("bwd_dq", 256): TileConfig(64, 32, 8, 2),
+    }),
+    fp32=_SM90.fp32,
+)
 
-# fp32 inputs multiply in full precision (FMA loops, no tensor cores), whose operands live in
-# registers: small tiles keep them out of local memory (benchmarks/resource_report.py).
-_GPU_FP32 = {
-    "fwd": TileConfig(64, 32, 8, 2),
-    "bwd_dkdv": TileConfig(32, 32, 8, 2),
-    "bwd_dq": TileConfig(64, 32, 8, 2),
-}
-_GPU_FP32_HEAD_DIM_256 = {**_GPU_FP32, "bwd_dkdv": TileConfig(16, 32, 8, 1), "bwd_dq": TileConfig(32, 16, 8, 1)}
+# sm86 (99 KB, mma.sync): the same shapes with shallower pipelines, and narrower tiles at head
+# dim 256, to stay below 99 KB with a margin (resource_report.py --arch 86 / 89 / 120).
+_SM86 = ConfigTable(
+    two_byte=_any_mask({
+        ("fwd", 16): TileConfig(64, 64, 4, 3),
+        ("fwd", 32): TileConfig(64, 64, 4, 3),
+        ("fwd", 64): TileConfig(128, 64, 8, 3),
+        ("fwd", 128): TileConfig(128, 64, 8, 2),
+        ("fwd", 256): TileConfig(64, 32, 4, 2),
+        ("bwd_dkdv", 16): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 32): TileConfig(64, 64, 4, 2),
+        ("bwd_dkdv", 64): TileConfig(64, 128, 8, 3),
+        ("bwd_dkdv", 128): TileConfig(64, 64, 8, 2),
+        ("bwd_dkdv", 256): TileConfig(32, 32, 4, 2),
+        ("bwd_dq", 16): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 32): TileConfig(64, 64, 4, 3),
+        ("bwd_dq", 64): TileConfig(128, 64, 8, 3),
+        ("bwd_dq", 128): TileConfig(128, 32, 8, 2),
+        ("bwd_dq", 256): TileConfig(32, 32, 4, 2),
+    }),
+    fp32={
+        ("fwd", 128): TileConfig(64, 32, 8, 2),
+        ("bwd_dkdv", 128): TileConfig(32, 32, 8, 2),
+        ("bwd_dq", 128): TileConfig(32, 32, 8, 2),
+        ("fwd", 256): TileConfig(32, 16, 8, 2),
+        ("bwd_dkdv", 256): TileConfig(16, 32, 8, 1),
+        ("bwd_dq", 256): TileConfig(32, 16, 8, 1),
+    },
+)
+
+# sm75 (64 KB): Triton multiplies with FMAs below sm_80 (fp16 operands widened to fp32 in
+# registers, as for fp32 inputs), so every dtype takes the fp32 tables' small tiles.
+_SM75 = ConfigTable(
+    two_byte={},
+    fp32={
+        ("fwd", 128): TileConfig(64, 32, 8, 2),
+        ("bwd_dkdv", 128): TileConfig(16, 32, 4, 2),
+        ("bwd_dq", 128): TileConfig(32, 32, 8, 2),
+        ("fwd", 256): TileConfig(32, 16, 8, 2),
+        ("bwd_dkdv", 256): TileConfig(16, 16, 4, 1),
+        ("bwd_dq", 256): TileConfig(16, 16, 4, 2),
+    },
+)
+
+TABLES = {"sm90": _SM90, "sm100": _SM100, "sm80": _SM80, "sm86": _SM86, "sm75": _SM75}
 
 
 # The tuner's hook (benchmarks/tune_configs.py): kernel -> (config, warp-specialised?) that
@@ -184,26 +340,27 @@ def set_override(kernel: str, config: Optional[TileConfig], warp_specialized: bo
 
 
 def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str = "none",
-                seqlen: int = 0, dropout: bool = False) -> TileConfig:
+                seqlen: int = 0, dropout: bool = False, gpu: str = "sm90") -> TileConfig:
     """Config for ``kernel`` in {"fwd", "bwd_dkdv", "bwd_dq"} at ``head_dim``, for a problem with
     ``mask`` ("none", "causal" or "window": options.AttentionOptions.mask_kind), with or without
-    dropout, whose longest sequence has ``seqlen`` rows."""
+    dropout, whose longest sequence has ``seqlen`` rows, on a GPU of class ``gpu`` (a name in
+    TABLES)."""
     if kernel in OVERRIDES and not OVERRIDES[kernel][1]:
         return OVERRIDES[kernel][0]
     # int/bool: under torch.compile's dynamic shapes these may be symbolic (then specialised here)
     bucket = next((bucket for bucket in SEQLEN_BUCKETS if bool(seqlen <= bucket)), None)
-    return _table_entry(kernel, int(head_dim), dtype, interpreted, mask, bucket, bool(dropout))
+    return _table_entry(kernel, int(head_dim), dtype, interpreted, mask, bucket, bool(dropout), gpu)
 
 
 def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str,
-                            seqlen: int) -> Optional[TileConfig]:
+                            seqlen: int, gpu: str = "sm90") -> Optional[TileConfig]:
     """The table's warp-specialised config for ``kernel`` on a problem whose longest sequence has
     ``seqlen`` rows, or None where it has none. Under the interpreter the small test tiles stand in
     for it, at any length, so that the tests reach this path."""
     if kernel in OVERRIDES:
         config, warp_specialized = OVERRIDES[kernel]
         return config if warp_specialized else None
-    entry = _warp_specialized_entry(kernel, int(head_dim), dtype, mask)
+    entry = _warp_specialized_entry(kernel, int(head_dim), dtype, mask, "sm90" if interpreted else gpu)
     if entry is None:
         return None
     config, shortest = entry
@@ -213,28 +370,43 @@ def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, inte
 
 
 @functools.lru_cache(maxsize=None)
-def _warp_specialized_entry(kernel: str, head_dim: int, dtype: torch.dtype, mask: str):
+def _warp_specialized_entry(kernel: str, head_dim: int, dtype: torch.dtype, mask: str, gpu: str):
     if dtype == torch.float32:
         return None
-    return _GPU_WARP_SPECIALIZED.get((kernel, sum(head_dim_chunks(head_dim)), mask))
+    return TABLES[gpu].warp_specialized.get((kernel, sum(head_dim_chunks(head_dim)), mask))
 
 
 @functools.lru_cache(maxsize=None)  # a lookup per launch: keep it off the host's critical path
 def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str,
-                 bucket: Optional[int], dropout: bool) -> TileConfig:
+                 bucket: Optional[int], dropout: bool, gpu: str) -> TileConfig:
     if interpreted:
         return _INTERPRETER[kernel]
+    table = TABLES[gpu]
     padded = padded_head_dim(head_dim)
-    if dtype == torch.float32:
-        return (_GPU_FP32_HEAD_DIM_256 if padded == 256 else _GPU_FP32)[kernel]
+    if dtype == torch.float32 or not table.two_byte:
+        return min(((bound, config) for (name, bound), config in table.fp32.items()
+                    if name == kernel and bound >= padded), key=lambda entry: entry[0])[1]
     width = sum(head_dim_chunks(head_dim))
     if dropout:
         for key in ((kernel, width), (kernel, padded)):
-            if key in _GPU_DROPOUT:
-                return _GPU_DROPOUT[key]
+            if key in table.dropout:
+                return table.dropout[key]
     for key_mask in dict.fromkeys((mask, _FALLBACK_MASK.get(mask, mask))):
-        if (kernel, width, key_mask) in _GPU_SHORT.get(bucket, {}):
-            return _GPU_SHORT[bucket][(kernel, width, key_mask)]
-        if (kernel, width, key_mask) in _GPU:
-            return _GPU[(kernel, width, key_mask)]
-    return _GPU[(kernel, padded, _FALLBACK_MASK.get(mask, mask))]
+        if (kernel, width, key_mask) in table.short.get(bucket, {}):
+            return table.short[bucket][(kernel, width, key_mask)]
+        if (kernel, width, key_mask) in table.two_byte:
+            return table.two_byte[(kernel, width, key_mask)]
+    return table.two_byte[(kernel, padded, _FALLBACK_MASK.get(mask, mask))]
+
+
+def smaller_config(config: TileConfig) -> Optional[TileConfig]:
+    """The next config to try when ``config`` does not fit a GPU (launch.launch_fitting): one
+    pipeline stage less, then half the longer tile side (at least 16 rows) with two stages; None
+    when nothing smaller is left."""
+    if config.num_stages > 1:
+        return replace(config, num_stages=config.num_stages - 1)
+    if max(config.block_m, config.block_n) <= 16:
+        return None
+    if config.block_m >= config.block_n:
+        return replace(config, block_m=config.block_m // 2, num_stages=2)
+    return replace(config, block_n=config.block_n // 2, num_stages=2)

@@ -37,7 +37,7 @@ import triton.language as tl
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_plan, precision_mode,
+    launch_fitting, launch_plan, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import (
@@ -195,20 +195,23 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
-    config, specialized, tma = launch_plan("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)
-    grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
-    if tma and not interpreted:
+    plan = launch_plan("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)
+    if plan.tma and not interpreted:
         ensure_scratch_allocator()
-    wrap_kernel(_attn_fwd_kernel)[grid](
-        q, k, v, out, lse, *layout.cu_seqlens(),
-        *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out), *layout.stat_strides(lse),
-        *layout.seqlens(), *options.kernel_args(q),
-        GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
-        VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
-        PRECISION=precision_mode(q.dtype, interpreted),
-        USE_TMA=tma, WARP_SPECIALIZE=specialized,
-        **config.launch_args(),
-    )
+
+    def launch(config, specialized):
+        wrap_kernel(_attn_fwd_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
+            q, k, v, out, lse, *layout.cu_seqlens(),
+            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out),
+            *layout.stat_strides(lse), *layout.seqlens(), *options.kernel_args(q),
+            GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
+            VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
+            PRECISION=precision_mode(q.dtype, interpreted),
+            USE_TMA=plan.tma, WARP_SPECIALIZE=specialized,
+            **config.launch_args(),
+        )
+
+    launch_fitting(plan, launch)
     return out, lse
 
 

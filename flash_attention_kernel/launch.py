@@ -2,16 +2,19 @@
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
+from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 
-from .configs import head_dim_chunks, tile_config, warp_specialized_config
+from .configs import (MIN_CAPABILITY, GpuClass, TileConfig, gpu_class, head_dim_chunks, smaller_config, tile_config,
+                      warp_specialized_config)
 from .options import ALIBI, SINKS, SOFTCAP, TANH_APPROX, AttentionOptions
 
 
@@ -57,21 +60,96 @@ WARP_SPECIALIZATION_CHECKED = ("3.6.",)
 WARP_SPECIALIZABLE = SOFTCAP | ALIBI | SINKS
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one kernel (fwd, bwd_dkdv, bwd_dq) launches: its tile config, whether its loop is
+    warp-specialised, whether it reads through tensor descriptors, and ``fit_key``, under which
+    launch_fitting remembers a smaller config where this one did not fit the GPU."""
+
+    kernel: str
+    config: TileConfig
+    specialized: bool
+    tma: bool
+    fit_key: tuple = ()
+
+
 def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: AttentionOptions, layout: "SequenceLayout",
-                interpreted: bool, *tensors: torch.Tensor):
-    """(tile config, warp-specialised?, tensor descriptors?) for one launch of ``kernel``: the
-    table's warp-specialised entry where the call can take it (``warp_specialize``), else its
-    plain entry. The warp-specialised kernels (forward, dQ) loop over key tiles, which are all full
-    when seqlen_k is a multiple of BLOCK_N."""
+                interpreted: bool, *tensors: torch.Tensor) -> LaunchPlan:
+    """The LaunchPlan of one launch of ``kernel``: the table's warp-specialised entry where the
+    call can take it (``warp_specialize``), else its plain entry, for the class of the GPU that
+    holds ``tensors`` (``device_gpu_class``), unless an earlier launch found it too big there.
+    The warp-specialised kernels (forward, dQ) loop over key tiles, which are all full when
+    seqlen_k is a multiple of BLOCK_N."""
+    gpu = "sm90"
+    if not interpreted:
+        device = tensors[0].device
+        check_gpu_supports(device, dtype)
+        gpu = device_gpu_class(device).name
     seqlen = max(layout.seqlen_q, layout.seqlen_k)
     mask = options.mask_kind
-    config = warp_specialized_config(kernel, head_dim, dtype, interpreted, mask, seqlen)
+    config = warp_specialized_config(kernel, head_dim, dtype, interpreted, mask, seqlen, gpu)
     if config is not None and warp_specialize(layout.seqlen_k % config.block_n == 0, interpreted, options, layout,
                                               head_dim, *tensors):
-        return config, True, True
-    config = tile_config(kernel, head_dim, dtype, interpreted, mask, seqlen, options.dropout_p > 0)
-    [tma] = use_tma([config.tma], interpreted, *tensors)
-    return config, False, tma
+        specialized, tma = True, True
+    else:
+        config = tile_config(kernel, head_dim, dtype, interpreted, mask, seqlen, options.dropout_p > 0, gpu)
+        specialized, [tma] = False, use_tma([config.tma], interpreted, *tensors)
+    fit_key = (tensors[0].device, kernel, int(head_dim), dtype, options.variant, config, specialized)
+    if fit_key in _FITTED:
+        return LaunchPlan(kernel, _FITTED[fit_key], False, tma, fit_key)
+    return LaunchPlan(kernel, config, specialized, tma, fit_key)
+
+
+# fit_key -> the config a launch fell back to after OutOfResources (launch_fitting)
+_FITTED: dict = {}
+
+
+def launch_fitting(plan: LaunchPlan, launch: Callable[[TileConfig, bool], None]) -> None:
+    """``launch(config, specialized)`` with the plan's config; where the GPU lacks the shared
+    memory for it (Triton raises OutOfResources before the kernel runs, e.g. under a Triton
+    release whose pipeliner allocates more than the one the table was checked with), retry with
+    the plain loop, then with ``configs.smaller_config`` until one fits, remember that one for
+    this plan's key and warn once. Under torch.compile the launch is traced, so there the table's
+    entry must fit (tests/test_resource_arch.py checks that it does)."""
+    config, specialized = plan.config, plan.specialized
+    while True:
+        try:
+            return launch(config, specialized)
+        except OutOfResources as error:
+            smaller = config if specialized else smaller_config(config)
+            if smaller is None:
+                raise
+            warnings.warn(f"flash_attention: the {plan.kernel} kernel's config {config} "
+                          f"{'(warp-specialised) ' if specialized else ''}does not fit this GPU ({error}); "
+                          f"trying {smaller} for this shape from now on", RuntimeWarning, stacklevel=3)
+            config, specialized = smaller, False
+            _FITTED[plan.fit_key] = config
+
+
+@functools.lru_cache(maxsize=None)
+def device_gpu_class(device: torch.device) -> GpuClass:
+    """The config class (configs.GPU_CLASSES) of a CUDA ``device``, from its capability and its
+    per-block shared memory; read once per device."""
+    props = torch.cuda.get_device_properties(device)
+    return gpu_class((props.major, props.minor), props.shared_memory_per_block_optin)
+
+
+@functools.lru_cache(maxsize=None)
+def check_gpu_supports(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise where the GPU holding the inputs cannot run the kernels in ``dtype``: bf16 needs
+    Ampere (sm_80) or newer, whose tensor cores multiply it (flash-attn and SDPA's FLASH backend
+    refuse bf16 on Turing too); GPUs older than MIN_CAPABILITY are not supported."""
+    if device.type != "cuda" or torch.version.hip:
+        return
+    props = torch.cuda.get_device_properties(device)
+    capability = (props.major, props.minor)
+    if capability < MIN_CAPABILITY:
+        raise RuntimeError(f"flash_attention needs an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}."
+                           f"{MIN_CAPABILITY[1]} (Turing) or newer; {props.name} is {capability[0]}.{capability[1]}")
+    if dtype == torch.bfloat16 and capability < (8, 0):
+        raise TypeError(f"flash_attention: bfloat16 inputs need an Ampere (compute capability 8.0) or newer GPU; "
+                        f"{props.name} is {capability[0]}.{capability[1]} and has no bfloat16 tensor cores: "
+                        f"use float16")
 
 
 def warp_specialize(tiles_full: bool, interpreted: bool, options: AttentionOptions, layout: "SequenceLayout",

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICE
 from inputs import random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref, run_ref
-from sizes import DTYPES, HEAD_DIMS, HEADS, LONG_SEQLENS, SEQLENS
+from sizes import BF16, DTYPES, HEAD_DIMS, HEADS, LONG_SEQLENS, SEQLENS
 
 
 def check_against_reference(fa, q, k, v, causal, softmax_scale=None):
@@ -68,7 +68,7 @@ def test_softmax_scale(fa, softmax_scale):
 
 def test_large_scores(fa):
     """Scaled-up inputs (flash-attn's overflow test): large logits must not overflow or lose mass."""
-    q, k, v = random_qkv((1, 113, 2, 64), (1, 203, 1, 64), torch.bfloat16)
+    q, k, v = random_qkv((1, 113, 2, 64), (1, 203, 1, 64), BF16)
     check_against_reference(fa, q * 5, k * 3, v * 3, causal=True)
 
 

@@ -6,10 +6,11 @@ import torch
 from conftest import DEVICE, ON_GPU
 from inputs import random_qkv
 from reference import attention_ref, run_ref
+from sizes import BF16, DTYPES
 from test_correctness import check_against_reference
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_rows_without_keys(fa, dtype):
     """Bottom-right causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key.
     They output 0 with lse = +inf, and every gradient stays finite (their dq rows are 0)."""
@@ -88,7 +89,7 @@ def test_offsets_past_int32(fa):
 def test_dense_tensors_past_int32(fa):
     """Contiguous q, k, v, out and grads of more than 2**31 elements; checks the last batches."""
     batch, seqlen, heads, head_dim = 33000, 256, 2, 128  # 2.16e9 elements per tensor
-    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=BF16).requires_grad_()
                for _ in range(3))
     out = fa.flash_attn_func(q, k, v, causal=True)
     dout = torch.randn_like(out)

@@ -5,6 +5,7 @@ import torch
 
 from conftest import DEVICE
 from inputs import cu_seqlens, op_options, random_qkv
+from sizes import DTYPES
 
 
 def _qkv(dtype=torch.float16, heads=(4, 2), requires_grad=False):
@@ -99,7 +100,7 @@ def test_torch_compile_fullgraph(fa):
     assert torch.equal(compiled_bhsd(qt, kt, vt, True), fa.flash_attention_forward(qt, kt, vt, causal=True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_bitwise_repeatable(fa, dtype):
     """Forward and backward give identical bits on every run (no atomics anywhere)."""
     q, k, v = _qkv(dtype, heads=(6, 2), requires_grad=True)

@@ -16,12 +16,13 @@ import torch
 from conftest import ON_GPU
 from inputs import cu_seqlens, op_options, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, run_ref
+from sizes import BF16
 
 # (name, q shape, k/v shape, dtype, causal); batch, seqlen, heads, head dim
 DENSE_CASES = [
     ("gqa-causal-q<k-d64", (2, 113, 4, 64), (2, 203, 2, 64), torch.float16, True),
-    ("causal-q>k-d80", (1, 203, 2, 80), (1, 113, 2, 80), torch.bfloat16, True),
-    ("full-d96", (1, 17, 3, 96), (1, 203, 1, 96), torch.bfloat16, False),
+    ("causal-q>k-d80", (1, 203, 2, 80), (1, 113, 2, 80), BF16, True),
+    ("full-d96", (1, 17, 3, 96), (1, 203, 1, 96), BF16, False),
     ("full-d128", (1, 113, 2, 128), (1, 113, 2, 128), torch.float16, False),
 ]
 
@@ -88,7 +89,7 @@ def test_descriptors_under_opcheck(fa, monkeypatch):
 def test_varlen_descriptors_match_plain_loads(fa, monkeypatch):
     """Per-sequence descriptors: a tile past a sequence's end reads zeros, not the next sequence."""
     lens_q, lens_k = [17, 113, 1, 40], [113, 17, 40, 1]
-    q, k, v = random_qkv((sum(lens_q), 4, 64), (sum(lens_k), 2, 64), torch.bfloat16)
+    q, k, v = random_qkv((sum(lens_q), 4, 64), (sum(lens_k), 2, 64), BF16)
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     dout = torch.randn_like(q)
 

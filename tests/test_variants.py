@@ -26,7 +26,7 @@ from reference import (
     BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref, bar_bound, max_err, run_ref, run_varlen_ref,
     sink_grad_rounded_out, visible_mask,
 )
-from sizes import DTYPES
+from sizes import BF16, DTYPES
 
 DROPOUT_P = 0.17
 
@@ -453,7 +453,7 @@ def _assert_equal(got, want, names):
 def test_packed_variants_with_options(fa, varlen):
     """qkv- and kv-packed functions with every option on (dropout seeded alike) equal the unpacked
     function bit for bit: out, lse, S_dmask, the packed gradients and ds_aux."""
-    heads, head_dim, dtype = 4, 64, torch.bfloat16
+    heads, head_dim, dtype = 4, 64, BF16
     if varlen:
         lens = [17, 1, 0, 40, 9] if not ON_GPU else [1023, 1, 0, 2048, 77]
         cu, longest = cu_seqlens(lens), max(lens)
@@ -534,10 +534,10 @@ def test_window_beyond_any_sequence(fa):
 # seqlen_q - seqlen_k - right rows see no key.
 EMPTY_ROW_CASES = [
     ((2, 3), False, False, torch.float16),
-    ((0, 0), False, True, torch.bfloat16),
+    ((0, 0), False, True, BF16),
     ((-1, 4), False, True, torch.float32),
     ((5, -1), True, False, torch.float16),
-    ((3, 5), True, True, torch.bfloat16),
+    ((3, 5), True, True, BF16),
 ]
 EMPTY_ROW_SEQLENS = (113, 40) if not ON_GPU else (4093, 1024)
 
@@ -592,7 +592,7 @@ def test_dropout_fraction(fa, causal):
 def test_dropout_rng(fa):
     """torch.manual_seed before a call reproduces out, lse, S_dmask and gradients bit for bit; a
     different seed changes the mask and the output; without re-seeding the next call draws a new mask."""
-    q, k, v = random_qkv((1, 113, 4, 64), (1, 203, 2, 64), torch.bfloat16)
+    q, k, v = random_qkv((1, 113, 4, 64), (1, 203, 2, 64), BF16)
     dout = torch.randn_like(q)
     call = lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p=DROPOUT_P, return_attn_probs=True)  # noqa: E731
     first = _run(call, (q, k, v), dout, seed=1)
@@ -615,7 +615,7 @@ def test_deterministic_all_options(fa):
     """deterministic=True with every option on: forward + backward three times, re-seeded before
     each, give identical out, lse, S_dmask, dq, dk, dv and ds_aux."""
     shape_q, shape_kv = ((2, 113, 6, 80), (2, 203, 2, 80)) if not ON_GPU else ((2, 1023, 8, 128), (2, 3001, 2, 128))
-    q, k, v = random_qkv(shape_q, shape_kv, torch.bfloat16)
+    q, k, v = random_qkv(shape_q, shape_kv, BF16)
     q = scale_for_softcap(q, ALL_OPTIONS)
     options, s_aux = _all_options(shape_q[0], shape_q[2])
     dout = torch.randn_like(q)
@@ -649,7 +649,7 @@ def test_torch_compile_with_options(fa):
 def test_dropout_in_cuda_graph(fa):
     """A dropout forward captured in a torch.cuda.CUDAGraph draws fresh randomness on each replay:
     two replays give finite outputs that differ."""
-    q, k, v = random_qkv((2, 1024, 4, 128), (2, 1024, 2, 128), torch.bfloat16)
+    q, k, v = random_qkv((2, 1024, 4, 128), (2, 1024, 2, 128), BF16)
     call = lambda: fa.flash_attn_func(q, k, v, dropout_p=DROPOUT_P, causal=True)  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

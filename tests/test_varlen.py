@@ -8,6 +8,7 @@ import torch
 from conftest import DEVICE, ON_GPU
 from inputs import cu_seqlens, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref
+from sizes import BF16, DTYPES
 
 # Per-sequence (q lengths, k lengths); k None = same as q.
 BATCHES_CPU = {
@@ -64,7 +65,7 @@ def check_varlen(fa, q, k, v, lens_q, lens_k, causal):
         assert (lse[visible].double() - truth_lse[visible]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_varlen(fa, batch, causal, dtype):
@@ -78,7 +79,7 @@ def test_varlen(fa, batch, causal, dtype):
 @pytest.mark.parametrize("head_dim", [16, 80, 111, 192, 256])
 def test_varlen_head_dims(fa, head_dim):
     lens = BATCHES["one_long_many_short"][0]
-    q, k, v = _varlen_inputs(lens, lens, 2, 2, head_dim, torch.bfloat16)
+    q, k, v = _varlen_inputs(lens, lens, 2, 2, head_dim, BF16)
     check_varlen(fa, q, k, v, lens, lens, causal=True)
 
 
@@ -108,12 +109,12 @@ def test_packed_variants(fa, varlen):
     if varlen:
         lens = [17, 1, 40, 0, 9]
         cu, longest = cu_seqlens(lens), max(lens)
-        qkv = torch.randn(sum(lens), 3, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+        qkv = torch.randn(sum(lens), 3, heads, head_dim, device=DEVICE, dtype=BF16)
         unpacked = lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)  # noqa: E731
         qkv_fn = lambda qkv: fa.flash_attn_varlen_qkvpacked_func(qkv, cu, longest, causal=causal)  # noqa: E731
         kv_fn = lambda q, kv: fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, longest, longest, causal=causal)  # noqa: E731
     else:
-        qkv = torch.randn(2, 113, 3, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+        qkv = torch.randn(2, 113, 3, heads, head_dim, device=DEVICE, dtype=BF16)
         unpacked = lambda q, k, v: fa.flash_attn_func(q, k, v, causal=causal)  # noqa: E731
         qkv_fn = lambda qkv: fa.flash_attn_qkvpacked_func(qkv, causal=causal)  # noqa: E731
         kv_fn = lambda q, kv: fa.flash_attn_kvpacked_func(q, kv, causal=causal)  # noqa: E731
@@ -169,7 +170,7 @@ def test_varlen_through_padding_helpers(fa):
 
 def test_varlen_reference_batch_is_bitwise_repeatable(fa):
     lens = BATCHES["one_long_many_short"][0]
-    q, k, v = _varlen_inputs(lens, lens, 4, 2, 64, torch.bfloat16, requires_grad=True)
+    q, k, v = _varlen_inputs(lens, lens, 4, 2, 64, BF16, requires_grad=True)
     cu = cu_seqlens(lens)
     dout = torch.randn_like(q)
     runs = []

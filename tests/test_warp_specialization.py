@@ -19,6 +19,7 @@ import triton
 from conftest import ON_GPU
 from inputs import cu_seqlens, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, run_ref
+from sizes import BF16
 
 HEAD_DIM = 128  # a width with warp-specialised entries for the forward and dQ kernels
 
@@ -33,12 +34,12 @@ def _specialized(fa, q, k, v, causal=False, layout=None, kernel="fwd", **options
     launch = fa.flash_attention_kernel.launch
     layout = layout or launch.SequenceLayout.of(q, k)
     options = fa.flash_attention_kernel.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
-    return launch.launch_plan(kernel, q.shape[-1], q.dtype, options, layout, not ON_GPU, q, k, v)[1]
+    return launch.launch_plan(kernel, q.shape[-1], q.dtype, options, layout, not ON_GPU, q, k, v).specialized
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):
     """The decision; without it the comparisons below could compare the plain path with itself."""
-    q, k, v = random_qkv((2, 64, 4, HEAD_DIM), (2, 256, 2, HEAD_DIM), torch.bfloat16)
+    q, k, v = random_qkv((2, 64, 4, HEAD_DIM), (2, 256, 2, HEAD_DIM), BF16)
     monkeypatch.setenv("FLASH_ATTENTION_WS", "1")
     long_k = k.repeat(1, 16, 1, 1)  # 4096 keys: the dQ kernel's entry starts there on the GPU
     assert _specialized(fa, q, k, v) == _descriptors_possible()
@@ -92,7 +93,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name, make", CASES, ids=[c[0] for c in CASES])
 def test_matches_plain_path_and_reference(fa, monkeypatch, name, make, dtype):
     if not _descriptors_possible():
@@ -120,7 +121,7 @@ def test_matches_plain_path_and_reference(fa, monkeypatch, name, make, dtype):
         assert_within_bar(label, ours, pt, truth, BWD_FACTOR)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
 def test_options_in_the_warp_specialised_loop(fa, monkeypatch, dtype):
     """softcap, ALiBi and sinks keep the warp-specialised loop (launch.WARP_SPECIALIZABLE): its
     results meet the float64 bar with all three on, and equal the plain loop's bit for bit under
