@@ -115,8 +115,8 @@ class ConfigTable:
 
     ``two_byte``: (kernel, width, mask) -> config for fp16/bf16, width the head-dim width the
     kernels compute (configs.head_dim_chunks); a width without an entry takes its padded power of
-    two's, a mask without one takes _FALLBACK_MASK's. ``fp32``: (kernel, widest padded head dim)
-    -> config, the narrowest entry that holds the head dim. ``short``: per sequence-length bucket,
+    two's, a mask without one takes _FALLBACK_MASK's. ``fp32``: (kernel, widest width) -> config,
+    the narrowest entry that holds the width (none: a ValueError, the GPU is too small). ``short``: per sequence-length bucket,
     entries that beat ``two_byte``'s on short sequences. ``warp_specialized``: (kernel, width,
     mask) -> (config, shortest sequence it is used at). ``dropout``: (kernel, width) -> config
     with dropout."""
@@ -309,16 +309,26 @@ _SM86 = ConfigTable(
 )
 
 # sm75 (64 KB): Triton multiplies with FMAs below sm_80 (fp16 operands widened to fp32 in
-# registers, as for fp32 inputs), so every dtype takes the fp32 tables' small tiles.
+# registers, as for fp32 inputs), so fp16 takes fp32's small tiles. The backward kernels hold four
+# head-dim-wide tiles in shared memory (K, V and a block of Q, dO): 16-row fp32 tiles of width
+# 256 take 64 KB plus their statistics, so fp32 backward stops at width 192 there (a ValueError
+# names the head dim); fp16 tiles take half the bytes and go to 256.
 _SM75 = ConfigTable(
-    two_byte={},
+    two_byte=_any_mask({
+        **{("fwd", width): TileConfig(64, 32, 8, 2) for width in (16, 32, 64, 128)},
+        **{("bwd_dkdv", width): TileConfig(16, 32, 4, 2) for width in (16, 32, 64, 128)},
+        **{("bwd_dq", width): TileConfig(32, 32, 8, 2) for width in (16, 32, 64, 128)},
+        ("fwd", 256): TileConfig(32, 16, 8, 2),
+        ("bwd_dkdv", 256): TileConfig(16, 16, 4, 1),
+        ("bwd_dq", 256): TileConfig(16, 16, 4, 2),
+    }),
     fp32={
         ("fwd", 128): TileConfig(64, 32, 8, 2),
         ("bwd_dkdv", 128): TileConfig(16, 32, 4, 2),
         ("bwd_dq", 128): TileConfig(32, 32, 8, 2),
         ("fwd", 256): TileConfig(32, 16, 8, 2),
-        ("bwd_dkdv", 256): TileConfig(16, 16, 4, 1),
-        ("bwd_dq", 256): TileConfig(16, 16, 4, 2),
+        ("bwd_dkdv", 192): TileConfig(16, 16, 4, 1),
+        ("bwd_dq", 192): TileConfig(16, 16, 4, 2),
     },
 )
 
@@ -383,10 +393,15 @@ def _table_entry(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bo
         return _INTERPRETER[kernel]
     table = TABLES[gpu]
     padded = padded_head_dim(head_dim)
-    if dtype == torch.float32 or not table.two_byte:
-        return min(((bound, config) for (name, bound), config in table.fp32.items()
-                    if name == kernel and bound >= padded), key=lambda entry: entry[0])[1]
     width = sum(head_dim_chunks(head_dim))
+    if dtype == torch.float32:
+        fitting = [(bound, config) for (name, bound), config in table.fp32.items() if name == kernel and bound >= width]
+        if not fitting:
+            widest = max(bound for name, bound in table.fp32 if name == kernel)
+            raise ValueError(f"flash_attention: {str(dtype)[6:]} inputs of head dim {head_dim} need more shared memory "
+                             f"in the {kernel} kernel than a GPU of class {gpu} has per block (at most head dim "
+                             f"{widest} there); use {'float16' if gpu == 'sm75' else 'bfloat16 or float16'}")
+        return min(fitting, key=lambda entry: entry[0])[1]
     if dropout:
         for key in ((kernel, width), (kernel, padded)):
             if key in table.dropout:

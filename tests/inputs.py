@@ -1,8 +1,9 @@
 """Random test inputs: q, k, v (dense or varlen layout alike) and cu_seqlens."""
 
+import pytest
 import torch
 
-from sizes import DEVICE
+from sizes import BF16_SUPPORTED, DEVICE
 
 
 def random_qkv(q_shape, kv_shape, dtype=torch.float16, requires_grad=False):
@@ -19,3 +20,15 @@ def cu_seqlens(lengths):
 def op_options(fa, causal, softmax_scale=0.125, **options):
     """The ops' trailing option arguments (AttentionOptions.flatten) for a direct op call."""
     return fa.flash_attention_kernel.AttentionOptions(softmax_scale, causal, **options).flatten()
+
+
+def gradients(out, inputs, dout):
+    """torch.autograd.grad(out, inputs, dout), or None where this GPU cannot run the backward:
+    fp32 beyond head dim 192 on a Turing GPU (64 KB of shared memory per block), after checking
+    that the call says so with a ValueError."""
+    if not BF16_SUPPORTED and out.dtype == torch.float32 and out.shape[-1] > 192:
+        with pytest.raises(ValueError, match="need more shared memory"):
+            torch.autograd.grad(out, inputs, dout)
+        return None
+    return torch.autograd.grad(out, inputs, dout)
+
