@@ -24,9 +24,9 @@ def op_options(fa, causal, softmax_scale=0.125, **options):
 
 def gradients(out, inputs, dout):
     """torch.autograd.grad(out, inputs, dout), or None where this GPU cannot run the backward:
-    fp32 beyond head dim 192 on a Turing GPU (64 KB of shared memory per block), after checking
+    fp32 beyond head dim 128 on a Turing GPU (64 KB of shared memory per block), after checking
     that the call says so with a ValueError."""
-    if not BF16_SUPPORTED and out.dtype == torch.float32 and out.shape[-1] > 192:
+    if not BF16_SUPPORTED and out.dtype == torch.float32 and out.shape[-1] > 128:
         with pytest.raises(ValueError, match="need more shared memory"):
             torch.autograd.grad(out, inputs, dout)
         return None
