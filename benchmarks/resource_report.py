@@ -30,6 +30,7 @@ Usage: python benchmarks/resource_report.py [--arch 90] [--variant causal,softca
 """
 
 import contextlib
+import itertools
 import multiprocessing
 import re
 import subprocess
@@ -162,27 +163,25 @@ def table_entries(gpu: configs.GpuClass) -> list:
     """The distinct compilations of ``gpu``'s table: each (architecture, kernel, dtype, config,
     warp-specialised?) once, at the widest width that takes it."""
     widest = {}
-    two_byte = "fp16" if gpu.capabilities == ((7, 5),) else "bf16"
-    for major, minor in gpu.capabilities:
+    two_byte = "bf16" if min(gpu.capabilities) >= (8, 0) else "fp16"
+    dtypes = ((two_byte, torch.float16), ("fp32", torch.float32))
+    calls = itertools.product(gpu.capabilities, TABLE_KERNELS.items(), dtypes, WIDTHS, ("none", "causal", "window"),
+                              (*configs.SEQLEN_BUCKETS, 1 << 20))
+    for (major, minor), (kernel, short_name), (dtype, torch_dtype), width, mask, seqlen in calls:
         arch = 10 * major + minor
-        for kernel, short_name in TABLE_KERNELS.items():
-            for dtype, torch_dtype in ((two_byte, torch.float16), ("fp32", torch.float32)):
-                for width in WIDTHS:
-                    for mask in ("none", "causal", "window"):
-                        for seqlen in (*configs.SEQLEN_BUCKETS, 1 << 20):
-                            for dropout in (False, True):
-                                try:
-                                    config = configs.tile_config(kernel, width, torch_dtype, False, mask, seqlen,
-                                                                 dropout, gpu.name)
-                                except ValueError:  # a call the class refuses (no tile fits): nothing to compile
-                                    continue
-                                key = (arch, short_name, dtype, config, False)
-                                widest[key] = max(widest.get(key, 0), width)
-                            specialized = configs.warp_specialized_config(kernel, width, torch_dtype, False, mask,
-                                                                          seqlen, gpu.name)
-                            if specialized is not None and major == 9:
-                                key = (arch, short_name, dtype, specialized, True)
-                                widest[key] = max(widest.get(key, 0), width)
+        found = []
+        for dropout in (False, True):
+            try:
+                found.append((configs.tile_config(kernel, width, torch_dtype, False, mask, seqlen, dropout, gpu.name),
+                              False))
+            except ValueError:  # a call the class refuses (no tile fits): nothing to compile
+                pass
+        specialized = configs.warp_specialized_config(kernel, width, torch_dtype, False, mask, seqlen, gpu.name)
+        if specialized is not None and major == 9:
+            found.append((specialized, True))
+        for config, is_specialized in found:
+            key = (arch, short_name, dtype, config, is_specialized)
+            widest[key] = max(widest.get(key, 0), width)
     return [TableEntry(gpu.name, arch, kernel, dtype, width, config, specialized)
             for (arch, kernel, dtype, config, specialized), width in widest.items()]
 

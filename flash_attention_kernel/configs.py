@@ -79,9 +79,6 @@ class GpuClass:
     shared_memory: int
     capabilities: tuple
 
-    def __str__(self) -> str:
-        return self.name
-
 
 GPU_CLASSES = (
     GpuClass("sm90", 232448, ((9, 0),)),  # H100, H200, GH200 (227 KB)
@@ -116,10 +113,10 @@ class ConfigTable:
     ``two_byte``: (kernel, width, mask) -> config for fp16/bf16, width the head-dim width the
     kernels compute (configs.head_dim_chunks); a width without an entry takes its padded power of
     two's, a mask without one takes _FALLBACK_MASK's. ``fp32``: (kernel, widest width) -> config,
-    the narrowest entry that holds the width (none: a ValueError, the GPU is too small). ``short``: per sequence-length bucket,
-    entries that beat ``two_byte``'s on short sequences. ``warp_specialized``: (kernel, width,
-    mask) -> (config, shortest sequence it is used at). ``dropout``: (kernel, width) -> config
-    with dropout."""
+    the narrowest entry that holds the width (none: a ValueError, the GPU is too small).
+    ``short``: per sequence-length bucket, entries that beat ``two_byte``'s on short sequences.
+    ``warp_specialized``: (kernel, width, mask) -> (config, shortest sequence it is used at).
+    ``dropout``: (kernel, width) -> config with dropout."""
 
     two_byte: dict
     fp32: dict
@@ -278,33 +275,23 @@ _SM80 = ConfigTable(
     fp32=_SM90.fp32,
 )
 
-# sm86 (99 KB, mma.sync): the same shapes with shallower pipelines, and narrower tiles at head
-# dim 256, to stay below 99 KB with a margin (resource_report.py --arch 86 / 89 / 120).
+# sm86 (99 KB, mma.sync): sm80's shapes, with shallower pipelines at width 128 and narrower tiles
+# at 256, to stay below 99 KB with a margin (resource_report.py --table sm86: sm_86, 89, 120).
 _SM86 = ConfigTable(
-    two_byte=_any_mask({
-        ("fwd", 16): TileConfig(64, 64, 4, 3),
-        ("fwd", 32): TileConfig(64, 64, 4, 3),
-        ("fwd", 64): TileConfig(128, 64, 8, 3),
-        ("fwd", 128): TileConfig(128, 64, 8, 2),
-        ("fwd", 256): TileConfig(64, 32, 4, 2),
-        ("bwd_dkdv", 16): TileConfig(64, 64, 4, 2),
-        ("bwd_dkdv", 32): TileConfig(64, 64, 4, 2),
-        ("bwd_dkdv", 64): TileConfig(64, 128, 8, 3),
-        ("bwd_dkdv", 128): TileConfig(64, 64, 8, 2),
-        ("bwd_dkdv", 256): TileConfig(32, 32, 4, 2),
-        ("bwd_dq", 16): TileConfig(64, 64, 4, 3),
-        ("bwd_dq", 32): TileConfig(64, 64, 4, 3),
-        ("bwd_dq", 64): TileConfig(128, 64, 8, 3),
-        ("bwd_dq", 128): TileConfig(128, 32, 8, 2),
-        ("bwd_dq", 256): TileConfig(32, 32, 4, 2),
-    }),
+    two_byte={
+        **_SM80.two_byte,
+        **_any_mask({
+            ("fwd", 128): TileConfig(128, 64, 8, 2),
+            ("fwd", 256): TileConfig(64, 32, 4, 2),
+            ("bwd_dkdv", 256): TileConfig(32, 32, 4, 2),
+            ("bwd_dq", 128): TileConfig(128, 32, 8, 2),
+            ("bwd_dq", 256): TileConfig(32, 32, 4, 2),
+        }),
+    },
     fp32={
-        ("fwd", 128): TileConfig(64, 32, 8, 2),
-        ("bwd_dkdv", 128): TileConfig(32, 32, 8, 2),
+        **_SM90.fp32,
         ("bwd_dq", 128): TileConfig(32, 32, 8, 2),
         ("fwd", 256): TileConfig(32, 16, 8, 2),
-        ("bwd_dkdv", 256): TileConfig(16, 32, 8, 1),
-        ("bwd_dq", 256): TileConfig(32, 16, 8, 1),
     },
 )
 
@@ -369,7 +356,7 @@ def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, inte
     if kernel in OVERRIDES:
         config, warp_specialized = OVERRIDES[kernel]
         return config if warp_specialized else None
-    entry = _warp_specialized_entry(kernel, int(head_dim), dtype, mask, "sm90" if interpreted else gpu)
+    entry = _warp_specialized_entry(kernel, int(head_dim), dtype, mask, gpu)
     if entry is None:
         return None
     config, shortest = entry

@@ -95,7 +95,7 @@ def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: Attenti
         config = tile_config(kernel, head_dim, dtype, interpreted, mask, seqlen, options.dropout_p > 0, gpu)
         specialized, [tma] = False, use_tma([config.tma], interpreted, *tensors)
     fit_key = (tensors[0].device, kernel, int(head_dim), dtype, options.variant, config, specialized)
-    if fit_key in _FITTED:
+    if _FITTED and fit_key in _FITTED:  # (empty unless a launch ran out of memory: no hashing per launch)
         return LaunchPlan(kernel, _FITTED[fit_key], False, tma, fit_key)
     return LaunchPlan(kernel, config, specialized, tma, fit_key)
 

@@ -5,6 +5,7 @@ fits its class is checked by compilation in test_resource_arch.py; under emulati
 (../shared/tools/emulate_gpu.py) the whole suite runs each class's entries on an H100/H200.
 """
 
+import itertools
 import warnings
 from types import SimpleNamespace
 
@@ -55,19 +56,16 @@ def test_every_call_finds_a_config(configs, gpu):
     """Every head dim, dtype, mask, length and dropout setting has an entry in every class, with
     the tiles dropout needs (at least 16 by 16), but the fp32 backward beyond head dim 128 on
     Turing, which no tile fits (a ValueError)."""
-    for kernel in KERNELS:
-        for head_dim in range(1, 257):
-            for dtype in (torch.float16, torch.bfloat16, torch.float32):
-                for mask in ("none", "causal", "window"):
-                    for seqlen in (1, 1500, 1 << 20):
-                        for dropout in (False, True):
-                            if gpu == "sm75" and dtype == torch.float32 and kernel != "fwd" and head_dim > 128:
-                                with pytest.raises(ValueError, match=f"head dim {head_dim} need more shared memory"):
-                                    configs.tile_config(kernel, head_dim, dtype, False, mask, seqlen, dropout, gpu)
-                                continue
-                            config = configs.tile_config(kernel, head_dim, dtype, False, mask, seqlen, dropout, gpu)
-                            assert min(config.block_m, config.block_n) >= 16, (kernel, head_dim, config)
-                            assert config.num_stages >= 1 and config.num_warps in (4, 8)
+    calls = itertools.product(KERNELS, range(1, 257), (torch.float16, torch.bfloat16, torch.float32),
+                              ("none", "causal", "window"), (1, 1500, 1 << 20), (False, True))
+    for kernel, head_dim, dtype, mask, seqlen, dropout in calls:
+        if gpu == "sm75" and dtype == torch.float32 and kernel != "fwd" and head_dim > 128:
+            with pytest.raises(ValueError, match=f"head dim {head_dim} need more shared memory"):
+                configs.tile_config(kernel, head_dim, dtype, False, mask, seqlen, dropout, gpu)
+            continue
+        config = configs.tile_config(kernel, head_dim, dtype, False, mask, seqlen, dropout, gpu)
+        assert min(config.block_m, config.block_n) >= 16, (kernel, head_dim, config)
+        assert config.num_stages >= 1 and config.num_warps in (4, 8)
     assert set(configs.TABLES) == {cls.name for cls in configs.GPU_CLASSES}
 
 
