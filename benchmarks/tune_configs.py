@@ -47,15 +47,17 @@ TOKENS, HIDDEN = 16384, 2048
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); each is tried with and without tensor descriptors (TMA)
 _TILES = {
     "fwd": [(64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3),
-            (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3),
-            (128, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)],
+            (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3), (128, 16, 4, 3), (128, 16, 4, 4), (128, 32, 4, 2),
+            (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3), (128, 64, 4, 3),
+            (128, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 4, 2), (128, 128, 8, 2),
+            (128, 128, 8, 3), (256, 32, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3)],
     "bwd_dkdv": [(16, 64, 4, 2), (16, 128, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2),
                  (32, 128, 4, 2), (32, 128, 8, 2), (32, 128, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                  (64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 1), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4),
-                 (128, 64, 8, 2)],
+                 (64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)],
     "bwd_dq": [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2),
                (128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 8, 4),
-               (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
+               (128, 32, 4, 4), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
 }
 CANDIDATES = {kernel: [tile + (tma,) for tile in tiles for tma in (False, True)] for kernel, tiles in _TILES.items()}
 # Warp-specialised loops read every tile through descriptors (tma=True); the dQ kernel only
@@ -65,6 +67,16 @@ WARP_SPECIALIZED_CANDIDATES = {
             (128, 64, 8, 2, True)],
     "bwd_dq": [(128, 64, 8, 2, True), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (64, 128, 8, 2, True)],
 }
+
+
+def _candidates(specialized):
+    """The candidate configs per kernel; without tensor descriptors where this GPU has none
+    (before Hopper, or a GPU emulating one: there the tma flag would time the same kernel twice)."""
+    if specialized:
+        return WARP_SPECIALIZED_CANDIDATES
+    if torch.cuda.get_device_capability()[0] >= 9:
+        return CANDIDATES
+    return {kernel: [config for config in configs if not config[-1]] for kernel, configs in CANDIDATES.items()}
 
 
 def _inputs(head_dim, seqlen, layout, dtype=torch.bfloat16):
@@ -149,7 +161,7 @@ def tune(kernel, head_dim, causal, seqlen, layout, specialized):
     """Time every candidate for one (kernel, head dim, mask); returns the result record."""
     tensors = _inputs(head_dim, seqlen, layout)
     mask = "causal" if causal else "non-causal"
-    candidates = (WARP_SPECIALIZED_CANDIDATES if specialized else CANDIDATES)[kernel]
+    candidates = _candidates(specialized)[kernel]
     current = _current(kernel, head_dim, causal, seqlen, specialized)
     first = current or candidates[0]
     _with_config(kernel, configs.TileConfig(*first), specialized)
@@ -197,7 +209,7 @@ def main(argv):
     if specialized and not set(args.kernels) <= set(WARP_SPECIALIZED_CANDIDATES):
         parser.error(f"--warp-specialized tunes only {', '.join(WARP_SPECIALIZED_CANDIDATES)}")
     masks = (False,) if specialized else (False, True)
-    candidates = WARP_SPECIALIZED_CANDIDATES if specialized else CANDIDATES
+    candidates = _candidates(specialized)
 
     jobs = [(kernel, head_dim, args.seqlen, args.layout, config, specialized, masks) for kernel in args.kernels
             for head_dim in args.head_dims for config in candidates[kernel]]

@@ -104,6 +104,14 @@ def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: Attenti
 _FITTED: dict = {}
 
 
+def fixed_launch_plan(kernel: str, config: TileConfig, head_dim: int, dtype: torch.dtype, options: AttentionOptions,
+                      device: torch.device) -> LaunchPlan:
+    """The LaunchPlan of a kernel outside the config table, whose launcher chose ``config``
+    itself (the probabilities kernel), so that launch_fitting steps it down where it does not fit."""
+    fit_key = (device, kernel, int(head_dim), dtype, options.variant, config, False)
+    return LaunchPlan(kernel, _FITTED.get(fit_key, config) if _FITTED else config, False, False, fit_key)
+
+
 def launch_fitting(plan: LaunchPlan, launch: Callable[[TileConfig, bool], None]) -> None:
     """``launch(config, specialized)`` with the plan's config; where the GPU lacks the shared
     memory for it (Triton raises OutOfResources before the kernel runs, e.g. under a Triton

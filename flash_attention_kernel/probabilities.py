@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import head_dim_chunks
+from .configs import TileConfig, head_dim_chunks
 from .launch import (
-    SequenceLayout, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous, precision_mode,
+    SequenceLayout, fixed_launch_plan, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
+    launch_fitting, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import LOG2E, dropout_keep, head_options, logit_unit, logits
@@ -80,13 +81,19 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
         return probs
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_probs_kernel)
-    block_m, block_n = (32, 32) if interpreted or q.dtype == torch.float32 else (64, 64)
-    wrap_kernel(_attn_probs_kernel)[(triton.cdiv(layout.seqlen_q, block_m), num_heads, layout.batch)](
-        q, k, lse, probs, *layout.cu_seqlens(),
-        *layout.strides(q), *layout.strides(k), *layout.stat_strides(lse), *probs.stride()[:3],
-        *layout.seqlens(), *options.kernel_args(q),
-        GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, BLOCK_M=block_m,
-        BLOCK_N=block_n, VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
-        PRECISION=precision_mode(q.dtype, interpreted),
-    )
+    # A test and debugging path, not a hot one: small tiles, no pipelining, so it fits every GPU class
+    small = interpreted or q.dtype == torch.float32 or dim_a + dim_b > 128
+    config = TileConfig(32, 32, 4, 1) if small else TileConfig(64, 64, 4, 1)
+
+    def launch(config, _specialized):
+        wrap_kernel(_attn_probs_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
+            q, k, lse, probs, *layout.cu_seqlens(),
+            *layout.strides(q), *layout.strides(k), *layout.stat_strides(lse), *probs.stride()[:3],
+            *layout.seqlens(), *options.kernel_args(q),
+            GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
+            VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
+            PRECISION=precision_mode(q.dtype, interpreted), **config.launch_args(),
+        )
+
+    launch_fitting(fixed_launch_plan("probs", config, head_dim, q.dtype, options, q.device), launch)
     return probs

@@ -120,6 +120,26 @@ def test_out_of_resources_steps_down_once(fa, launch, configs, monkeypatch):
     assert launched == [fitted]
 
 
+def test_fixed_config_steps_down_and_remembers(fa, launch, configs, monkeypatch):
+    """A kernel outside the table (the probabilities kernel) launches through fixed_launch_plan:
+    it steps down like the table's kernels, and its next plan starts from the config that fit."""
+    monkeypatch.setattr(launch, "_FITTED", {})
+    options = fa.flash_attention_kernel.AttentionOptions(0.125, False, dropout_p=0.1)
+    chosen = configs.TileConfig(32, 32, 4, 1)
+    device = torch.device("cpu")
+    plan = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options, device)
+    assert plan.config == chosen and not plan.specialized and not plan.tma
+
+    def fits_16_rows(config, specialized):
+        if config.block_m > 16:
+            raise OutOfResources(74752, 65536, "shared memory")
+
+    with pytest.warns(RuntimeWarning, match="probs kernel"):
+        launch.launch_fitting(plan, fits_16_rows)
+    again = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options, device)
+    assert again.config == configs.TileConfig(16, 32, 4, 2)
+
+
 def test_out_of_resources_when_nothing_fits(launch, configs):
     plan = launch.LaunchPlan("fwd", configs.TileConfig(32, 16, 4, 1), False, False, ("key",))
 
