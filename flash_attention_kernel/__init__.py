@@ -13,6 +13,7 @@ strides whose last dim is contiguous.
 * backward.py: dQ + dK/dV kernels (delta from the dQ kernel or a preprocess kernel), no atomics,
   GQA reduced inside the dK/dV kernel; the sinks' gradient.
 * probabilities.py: the attention probabilities with the dropout mask (return_attn_probs).
+* rotary.py: rotary position embeddings (RoPE), in place or not, dense or varlen, with offsets.
 * tiles.py: tile loads/stores with 64-bit offsets, sequence spans (dense or varlen) and the
   mma/rounding helpers.
 * launch.py: host-side helpers (sequence layout, strides, precision mode, launch plan).
@@ -24,6 +25,7 @@ from .forward import _attn_fwd_kernel, attention_forward
 from .launch import is_interpreted
 from .options import AttentionOptions, draw_rng_state
 from .probabilities import attention_probabilities
+from .rotary import apply_rotary
 
 
 def interpreter_active() -> bool:
@@ -31,5 +33,5 @@ def interpreter_active() -> bool:
     return is_interpreted(_attn_fwd_kernel)
 
 
-__all__ = ["AttentionOptions", "attention_backward", "attention_forward", "attention_probabilities",
+__all__ = ["AttentionOptions", "apply_rotary", "attention_backward", "attention_forward", "attention_probabilities",
            "draw_rng_state", "interpreter_active"]

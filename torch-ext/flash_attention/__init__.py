@@ -9,13 +9,15 @@ namespace, holding the forward and backward ops.
 Layers of the package:
 * ``interface.py``: public functions (dense, varlen, packed); ``checks.py``: their argument checks.
 * ``bert_padding.py``: ``unpad_input`` / ``pad_input`` for the varlen functions.
+* ``rotary.py``: rotary embeddings (``apply_rotary_emb``, ``RotaryEmbedding``), flash-attn's
+  ``flash_attn.layers.rotary``.
 * ``torch_ops.py``: the torch ops (torch.library.triton_op), their autograd formula, and the
   eager path that runs the same op bodies without the dispatcher's host overhead.
 * ``flash_attention_kernel/``: the Triton kernels and launchers (copied from the repository's
   top-level ``flash_attention_kernel/`` at build time).
 """
 
-from . import bert_padding
+from . import bert_padding, rotary
 from ._ops import ops
 from .interface import (
     flash_attention_forward,
@@ -26,8 +28,13 @@ from .interface import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from .rotary import RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_kv_, apply_rotary_emb_qkv_
 
 __all__ = [
+    "RotaryEmbedding",
+    "apply_rotary_emb",
+    "apply_rotary_emb_kv_",
+    "apply_rotary_emb_qkv_",
     "bert_padding",
     "flash_attention_forward",
     "flash_attn_func",
@@ -37,4 +44,5 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "ops",
+    "rotary",
 ]

@@ -40,18 +40,19 @@ def check_packed(name: str, packed, layout: str, count: int) -> None:
         raise ValueError(f"{name} must have size {count} in dim -3 {layout}, got shape {tuple(packed.shape)}")
 
 
-def _check_device(q: torch.Tensor) -> None:
+def _check_device(q: torch.Tensor, names: str = "q, k, v") -> None:
     if q.device.type == "cuda":
         return
     if q.device.type == "cpu":
         if interpreter_active():
             return
         raise RuntimeError(
-            "q, k, v are CPU tensors, but these Triton kernels run on a CUDA GPU: move the tensors to "
-            "a GPU (q.cuda()), or set TRITON_INTERPRET=1 in the environment before triton is imported "
+            f"{names} are CPU tensors, but these Triton kernels run on a CUDA GPU: move the tensors to "
+            "a GPU (.cuda()), or set TRITON_INTERPRET=1 in the environment before triton is imported "
             "to run them through Triton's CPU interpreter (slow; meant for testing)."
         )
-    raise RuntimeError(f"q, k, v are on device {q.device}; supported devices are CUDA GPUs (and CPU under TRITON_INTERPRET=1)")
+    raise RuntimeError(f"{names} are on device {q.device}; supported devices are CUDA GPUs (and CPU under "
+                       "TRITON_INTERPRET=1)")
 
 
 def check_qkv(q, k, v, layout: str, heads_axis: int, dense: bool) -> None:
@@ -192,3 +193,57 @@ def attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, cau
 def check_block_table(block_table) -> None:
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not supported yet; pass block_table=None")
+
+
+def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: bool):
+    """The arguments of apply_rotary_emb; returns (cos, sin) with a contiguous last dim,
+    seqlen_offsets (an int, or an integer tensor (batch,)) and max_seqlen (an int; unused when
+    dense)."""
+    varlen = cu_seqlens is not None
+    check_tensor("x", x, "(total_seqlen, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(table).__name__}")
+        if table.dim() != 2:
+            raise ValueError(f"{name} must have 2 dims (seqlen_rotary, rotary_dim / 2), got shape {tuple(table.shape)}")
+        if table.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype ({x.dtype}), got {table.dtype}")
+        if table.device != x.device:
+            raise ValueError(f"{name} must be on x's device ({x.device}), got {table.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    rotary_dim, head_dim = 2 * cos.shape[1], x.shape[-1]
+    if not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim = 2 * cos.shape[1] = {rotary_dim} must be between 2 and the head dim ({head_dim})")
+    if inplace and x.stride(-1) != 1:
+        raise ValueError("x must have a contiguous last dim (stride 1) to be rotated in place")
+    if varlen:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+                or cu_seqlens.numel() < 1:
+            raise ValueError("cu_seqlens must be an int32 tensor of shape (batch + 1,)")
+        if cu_seqlens.device != x.device:
+            raise ValueError(f"cu_seqlens must be on x's device ({x.device}), got {cu_seqlens.device}")
+        if max_seqlen is None:
+            raise ValueError("max_seqlen is required with cu_seqlens")
+        seqlen, batch = _max_seqlen("max_seqlen", max_seqlen), cu_seqlens.numel() - 1
+    else:
+        seqlen, batch = x.shape[1], x.shape[0]
+    seqlen_ro = cos.shape[0]
+    if isinstance(seqlen_offsets, torch.Tensor):
+        if seqlen_offsets.dtype not in (torch.int32, torch.int64) or tuple(seqlen_offsets.shape) != (batch,):
+            raise ValueError(f"seqlen_offsets must be an int or an int32/int64 tensor of shape (batch,) = ({batch},), "
+                             f"got dtype {seqlen_offsets.dtype} and shape {tuple(seqlen_offsets.shape)}")
+        if seqlen_offsets.device != x.device:
+            raise ValueError(f"seqlen_offsets must be on x's device ({x.device}), got {seqlen_offsets.device}")
+        if seqlen > seqlen_ro:
+            raise ValueError(f"cos/sin have {seqlen_ro} positions, fewer than the sequence length {seqlen}")
+    else:
+        if isinstance(seqlen_offsets, bool) or not isinstance(seqlen_offsets, int) or seqlen_offsets < 0:
+            raise ValueError(f"seqlen_offsets must be a non-negative int or an integer tensor (batch,), got "
+                             f"{seqlen_offsets!r}")
+        if seqlen + seqlen_offsets > seqlen_ro:
+            raise ValueError(f"cos/sin have {seqlen_ro} positions; sequences of {seqlen} rows from offset "
+                             f"{seqlen_offsets} need {seqlen + seqlen_offsets}")
+    _check_device(x, "x, cos, sin")
+    contiguous = [t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin)]
+    return contiguous[0], contiguous[1], seqlen_offsets, seqlen if varlen else 0

@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ._ops import add_op_namespace_prefix, ops
 from .flash_attention_kernel import (
-    AttentionOptions, attention_backward, attention_forward, attention_probabilities, interpreter_active,
+    AttentionOptions, apply_rotary, attention_backward, attention_forward, attention_probabilities,
+    interpreter_active,
 )
 from .flash_attention_kernel.launch import identity_wrap
 
@@ -222,6 +223,51 @@ def _needs_dispatcher(tensors) -> bool:
         or torch._C._functorch.peek_interpreter_stack() is not None
         or any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors)
     )
+
+
+# Rotary embeddings (rotary.py): rotary(x, cos, sin, seqlen_offsets?, cu_seqlens?, offset,
+# max_seqlen, interleaved, conjugate) returns the rotated copy of x, rotary_(...) rotates x in
+# place. seqlen_offsets (batch,) or, when None, the int offset of every sequence; cu_seqlens for
+# varlen x (then max_seqlen bounds its sequences). Their autograd is rotary.py's.
+def _rotary_body(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: OptionalTensor, cu_seqlens: OptionalTensor,
+                 offset: int, max_seqlen: int, interleaved: bool, conjugate: bool, *, wrap_kernel,
+                 inplace: bool = False) -> Tensor:
+    offsets = seqlen_offsets if seqlen_offsets is not None else offset
+    return apply_rotary(x, cos, sin, offsets, cu_seqlens, max_seqlen, interleaved, inplace, conjugate,
+                        wrap_kernel=wrap_kernel)
+
+
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: OptionalTensor, cu_seqlens: OptionalTensor,
+            offset: int, max_seqlen: int, interleaved: bool, conjugate: bool) -> Tensor:
+    return _rotary_body(x, cos, sin, seqlen_offsets, cu_seqlens, offset, max_seqlen, interleaved, conjugate,
+                        wrap_kernel=torch.library.wrap_triton)
+
+
+def _rotary_(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: OptionalTensor, cu_seqlens: OptionalTensor,
+             offset: int, max_seqlen: int, interleaved: bool, conjugate: bool) -> None:
+    _rotary_body(x, cos, sin, seqlen_offsets, cu_seqlens, offset, max_seqlen, interleaved, conjugate,
+                 wrap_kernel=torch.library.wrap_triton, inplace=True)
+
+
+if not interpreter_active():
+    torch.library.triton_op(add_op_namespace_prefix("rotary"), _rotary, mutates_args=())
+    torch.library.triton_op(add_op_namespace_prefix("rotary_"), _rotary_, mutates_args={"x"})
+else:
+    torch.library.custom_op(add_op_namespace_prefix("rotary"), _rotary, mutates_args=()).register_fake(
+        lambda x, *args: torch.empty_like(x))
+    torch.library.custom_op(add_op_namespace_prefix("rotary_"), _rotary_, mutates_args={"x"}).register_fake(
+        lambda x, *args: None)
+
+
+def run_rotary(inplace: bool, *args) -> Tensor:
+    """The rotary op (``rotary_`` with ``inplace``, then returning x) on its arguments; eager
+    calls skip the dispatcher, as run_op's do."""
+    if _needs_dispatcher([x for x in args if isinstance(x, torch.Tensor)]):
+        if inplace:
+            ops.rotary_(*args)
+            return args[0]
+        return ops.rotary(*args)
+    return _rotary_body(*args, wrap_kernel=identity_wrap, inplace=inplace)
 
 
 def run_op(name: str, *args):
