@@ -99,7 +99,7 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
                       BLOCK_M=block_m, BLOCK_N=block_n, VARIANT=variant, IS_VARLEN=False,
                       PRECISION="ieee" if dtype == "fp32" else "tf32", USE_TMA=tma or specialized,
-                      WARP_SPECIALIZE=specialized, CuSeqlensQ=None, CuSeqlensK=None,
+                      WARP_SPECIALIZE=specialized, CuSeqlensQ=None, CuSeqlensK=None, BlockTable=None, PAGE_SIZE=0,
                       COMPUTE_DELTA=not specialized, HAS_DLSE=False)  # (as dense launches set them)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = _signature(kernel, dtype, constexprs)

@@ -312,15 +312,18 @@ def _attn_bwd_dq_kernel(
 
 
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, grads=None,
+                       cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, grads=None,
                        wrap_kernel=identity_wrap):
-    """Gradients (dq, dk, dv, dsinks) of ``attention_forward``; same layouts and conventions.
-    dsinks is None without sinks.
+    """Gradients (dq, dk, dv, dsinks) of ``attention_forward``; same layouts and conventions, but
+    no paged caches (``block_table``: a ValueError; they serve inference). dsinks is None without
+    sinks.
 
     ``dlse`` is the gradient flowing into the logsumexp output, or None when it is unused.
     ``grads``, if given, is (dq, dk, dv) to write into (e.g. views of one packed qkv gradient,
     with unit last stride); otherwise they are allocated like q, k, v.
     """
+    if block_table is not None:
+        raise ValueError("flash_attention: no backward through a paged KV cache (block_table); it is an inference path")
     dout, q, k, v, out = (last_dim_contiguous(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

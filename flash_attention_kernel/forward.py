@@ -43,8 +43,8 @@ from .options import AttentionOptions
 from .scores import (
     DROPOUT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start, row_start,
 )
-from .tiles import load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span, slice_descriptors, \
-    store_tile, tile_base
+from .tiles import load_kv_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span, \
+    slice_descriptors, store_tile, tile_base
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -56,7 +56,7 @@ def _fwd_key_loop(
     offs_m, kv_start, kv_end, skip, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """Accumulate key tiles [kv_start, kv_end) into one query tile's output and row statistics.
     A window's masked loop (MASK_LEFT and MASKED) visits both band edges: ``skip`` = (from, by)
@@ -66,8 +66,8 @@ def _fwd_key_loop(
         start_n = tile_start
         if (MASK_LEFT & VARIANT) and MASKED:
             start_n = tl.where(tile_start >= skip[0], tile_start + skip[1], tile_start)
-        k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
-                                  MASKED, USE_TMA)
+        k_a, k_b = load_kv_tile(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                MASKED, USE_TMA, PAGE_SIZE)
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         cols = (start_n + offs_n)[None, :]
         s, _ = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
@@ -82,8 +82,8 @@ def _fwd_key_loop(
         row_sum = row_sum * alpha + tl.sum(p, 1)
         if DROPOUT & VARIANT:
             p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), p, 0.0)
-        v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
-                                  MASKED, USE_TMA)
+        v_a, v_b = load_kv_tile(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                MASKED, USE_TMA, PAGE_SIZE)
         acc_a = acc_a * alpha[:, None]
         if DIM_B > 0:
             acc_b = acc_b * alpha[:, None]
@@ -96,7 +96,7 @@ def _fwd_key_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, BlockTable, stride_table, num_pages,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -108,8 +108,10 @@ def _attn_fwd_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
+    """PAGE_SIZE > 0: K and V are paged caches (pages, PAGE_SIZE, heads_k, head_dim), stride_kb and
+    stride_vb their page strides, sequence b's key rows listed by row b of BlockTable (varlen)."""
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -125,16 +127,23 @@ def _attn_fwd_kernel(
                                              dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
 
     q_base = tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm)
-    k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
-    v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    num_kv_heads = tl.num_programs(1) // GROUP_SIZE
     q_descs = slice_descriptors(Q, q_base, batch, head, tl.num_programs(1), seqlen_q, stride_qb, stride_qh, stride_qm,
                                 BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
-    k_descs = slice_descriptors(K, k_base, batch, kv_head, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn,
-                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
-    v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
-                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
+    if PAGE_SIZE > 0:  # the sequence's rows are found through its block-table row (tiles.load_kv_tile)
+        k_base = K + kv_head.to(tl.int64) * stride_kh  # (page 0: the table gives each row's page)
+        v_base = V + kv_head.to(tl.int64) * stride_vh
+        table_row = BlockTable + batch.to(tl.int64) * stride_table
+        k_descs = (table_row, stride_kb, num_pages)
+        v_descs = (table_row, stride_vb, num_pages)
+    else:
+        k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
+        v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
+        num_kv_heads = tl.num_programs(1) // GROUP_SIZE
+        k_descs = slice_descriptors(K, k_base, batch, kv_head, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn,
+                                    BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
+        v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
+                                    BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
     q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True,
                               USE_TMA)
 
@@ -145,19 +154,19 @@ def _attn_fwd_kernel(
     acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
         acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, full_lo, full_hi, (0, 0), seqlen_k, diag, window, score, dropout,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE, PAGE_SIZE,
     )
     if MASK_LEFT & VARIANT:  # a window: the tiles crossing either band edge, in one loop
         acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
             acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, lo, full_lo + (hi - full_hi), (full_lo, full_hi - full_lo), seqlen_k, diag, window, score,
-            dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+            dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE,
         )
     elif not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
         acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
             acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, full_hi, hi, (0, 0), seqlen_k, diag, window, score, dropout,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE,
         )
 
     empty_row = row_sum == 0.0
@@ -173,18 +182,21 @@ def _attn_fwd_kernel(
 
 
 def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
-                      max_seqlen_q: int = 0, max_seqlen_k: int = 0, wrap_kernel=identity_wrap):
+                      max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, wrap_kernel=identity_wrap):
     """Attention forward, dense or variable-length, with ``options`` (options.AttentionOptions).
 
     Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); returns out like q and lse (B, Hq, Sq).
     Varlen (cu_seqlens_q/k given, int32 (B + 1,)): q (total_q, Hq, D), k and v (total_k, Hkv, D),
     max_seqlen_q/k at least the longest sequence; returns out like q and lse (Hq, total_q).
+    Paged (varlen with ``block_table``, int32 (B, max_pages)): k and v are caches (pages,
+    page_size, Hkv, D), sequence b's key row j at page block_table[b, j // page_size], row
+    j % page_size; cu_seqlens_k gives the sequences' key counts only.
     Hq % Hkv == 0; any strides with the last dim contiguous (other tensors are copied); lse is
     fp32, natural log. ``wrap_kernel`` wraps each Triton kernel before launch
     (torch.library.wrap_triton lets torch.compile trace it). Inputs are assumed validated.
     """
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     num_heads, head_dim = q.shape[-2:]
     out = torch.empty_like(q)
     lse = layout.new_row_stats(q)
@@ -201,13 +213,13 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
 
     def launch(config, specialized):
         wrap_kernel(_attn_fwd_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, v, out, lse, *layout.cu_seqlens(),
-            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(out),
+            q, k, v, out, lse, *layout.cu_seqlens(), *layout.paging(k),
+            *layout.strides(q), *layout.kv_strides(k), *layout.kv_strides(v), *layout.strides(out),
             *layout.stat_strides(lse), *layout.seqlens(), *options.kernel_args(q),
             GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
             VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
             PRECISION=precision_mode(q.dtype, interpreted),
-            USE_TMA=plan.tma, WARP_SPECIALIZE=specialized,
+            USE_TMA=plan.tma, WARP_SPECIALIZE=specialized, PAGE_SIZE=layout.page_size,
             **config.launch_args(),
         )
 

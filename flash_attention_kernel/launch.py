@@ -87,13 +87,15 @@ def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: Attenti
         gpu = device_gpu_class(device).name
     seqlen = max(layout.seqlen_q, layout.seqlen_k)
     mask = options.mask_kind
-    config = warp_specialized_config(kernel, head_dim, dtype, interpreted, mask, seqlen, gpu)
+    # A paged cache's rows are gathered page by page: no descriptors, so no warp-specialised loop
+    paged = layout.page_size > 0
+    config = None if paged else warp_specialized_config(kernel, head_dim, dtype, interpreted, mask, seqlen, gpu)
     if config is not None and warp_specialize(layout.seqlen_k % config.block_n == 0, interpreted, options, layout,
                                               head_dim, *tensors):
         specialized, tma = True, True
     else:
         config = tile_config(kernel, head_dim, dtype, interpreted, mask, seqlen, options.dropout_p > 0, gpu)
-        specialized, [tma] = False, use_tma([config.tma], interpreted, *tensors)
+        specialized, [tma] = False, [False] if paged else use_tma([config.tma], interpreted, *tensors)
     fit_key = (tensors[0].device, kernel, int(head_dim), dtype, options.variant, config, specialized)
     if _FITTED and fit_key in _FITTED:  # (empty unless a launch ran out of memory: no hashing per launch)
         return LaunchPlan(kernel, _FITTED[fit_key], False, tma, fit_key)
@@ -272,7 +274,9 @@ class SequenceLayout:
     Dense: tensors (batch, seqlen, heads, dim), per-row statistics (lse, delta) (batch, heads,
     seqlen_q). Varlen: tensors (total_tokens, heads, dim) with sequence b in rows
     [cu_seqlens[b], cu_seqlens[b + 1]), statistics (heads, total_q) as flash-attn returns them;
-    seqlen_q / seqlen_k then hold the longest sequence and size the grid only.
+    seqlen_q / seqlen_k then hold the longest sequence and size the grid only. Paged (varlen with
+    a block_table, forward only): k and v are caches (pages, page_size, heads, dim) whose pages
+    block_table (batch, max_pages) lists per sequence; cu_seqlens_k then gives key counts only.
     """
 
     batch: int
@@ -280,12 +284,17 @@ class SequenceLayout:
     seqlen_k: int
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
+    page_size: int = 0  # 0: not paged
 
     @staticmethod
-    def of(q, k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0) -> "SequenceLayout":
+    def of(q, k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+           block_table=None) -> "SequenceLayout":
         if cu_seqlens_q is None:
             return SequenceLayout(q.shape[0], q.shape[1], k.shape[1])
-        return SequenceLayout(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k)
+        page_size = k.shape[1] if block_table is not None else 0
+        return SequenceLayout(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                              block_table, page_size)
 
     @property
     def is_varlen(self) -> bool:
@@ -297,6 +306,19 @@ class SequenceLayout:
         if self.is_varlen:
             return 0, stride[1], stride[0]
         return stride[0], stride[2], stride[1]
+
+    def kv_strides(self, x: torch.Tensor) -> tuple:
+        """``strides`` of k/v-like ``x``; a paged cache's are (page, head, row)."""
+        if self.page_size:
+            stride = x.stride()
+            return stride[0], stride[2], stride[1]
+        return self.strides(x)
+
+    def paging(self, k: torch.Tensor) -> tuple:
+        """BlockTable, stride_table, num_pages kernel arguments (a stand-in pointer when not paged)."""
+        if self.page_size:
+            return self.block_table, self.block_table.stride(0), k.shape[0]
+        return self.cu_seqlens_k, 0, 0
 
     def new_row_stats(self, q: torch.Tensor) -> torch.Tensor:
         """An uninitialised fp32 per-query-row statistic (lse, delta) for ``q``."""

@@ -70,8 +70,11 @@ def _attn_probs_kernel(
 
 
 def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
-                            max_seqlen_q: int = 0, max_seqlen_k: int = 0, wrap_kernel=identity_wrap):
-    """S_dmask of a forward with dropout (module docstring), from its inputs and its lse."""
+                            max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, wrap_kernel=identity_wrap):
+    """S_dmask of a forward with dropout (module docstring), from its inputs and its lse; not for
+    paged caches (``block_table``: a ValueError)."""
+    if block_table is not None:
+        raise ValueError("flash_attention: no attention probabilities from a paged KV cache (block_table)")
     q, k = last_dim_contiguous(q), last_dim_contiguous(k)
     lse = lse.contiguous()
     layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -193,6 +193,39 @@ def load_tile_from(
 
 
 @triton.jit
+def load_kv_tile(source, base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                 USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``load_tile_from`` for key/value tiles, which may live in a paged cache: with PAGE_SIZE > 0,
+    ``source`` is (this sequence's block-table row, the cache's page stride, its page count) and row r of the
+    sequence is row r % PAGE_SIZE of page table[r // PAGE_SIZE] (``base_ptr`` points at page 0,
+    this head); rows past num_rows read as zeros, their table entries unread."""
+    if PAGE_SIZE > 0:
+        table_row, stride_page, num_pages = source
+        rows = start_row + tl.arange(0, BLOCK_ROWS)
+        inside = rows < num_rows
+        pages = tl.load(table_row + rows // PAGE_SIZE, mask=inside, other=0)
+        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1)  # a bad table reads wrong rows, never outside
+        row_offsets = pages.to(tl.int64) * stride_page + (rows % PAGE_SIZE) * stride_row
+        a = _load_rows(base_ptr, row_offsets, inside, 0, DIM_A, HEAD_DIM)
+        if DIM_B > 0:
+            b = _load_rows(base_ptr, row_offsets, inside, DIM_A, DIM_B, HEAD_DIM)
+        else:
+            b = tl.zeros([BLOCK_ROWS, 16], dtype=a.dtype)
+        return a, b
+    else:
+        return load_tile_from(source, base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, HEAD_DIM, DIM_A, DIM_B,
+                              CHECK_ROWS, USE_TMA)
+
+
+@triton.jit
+def _load_rows(base_ptr, row_offsets, row_mask, COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    cols = COL_START + tl.arange(0, COLS)
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM)
+    return tl.load(base_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _store_chunk(base_ptr, chunk, start_row, stride_row, num_rows, BLOCK_ROWS: tl.constexpr,
                  COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
     ptrs, mask = _chunk_ptrs_and_mask(base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS, COL_START, COLS, HEAD_DIM)

@@ -24,18 +24,18 @@ def _case(fa, name):
         q, k, v = random_qkv((1, 113, 4, 64), (1, 203, 2, 64), requires_grad=True)
         if name == "dense":
             return (lambda: fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2],
-                    lambda: fa.ops.fwd(q, k, v, None, None, 0, 0, *op_options(fa, True)), (q, k, v))
+                    lambda: fa.ops.fwd(q, k, v, None, None, 0, 0, None, *op_options(fa, True)), (q, k, v))
         if name == "kvpacked":
             kv = torch.stack((k, v), dim=2).detach().requires_grad_()
             return (lambda: fa.flash_attn_kvpacked_func(q, kv, causal=True, return_attn_probs=True)[:2],
-                    lambda: fa.ops.fwd_kvpacked(q, kv, None, None, 0, 0, *op_options(fa, True)), (q, kv))
+                    lambda: fa.ops.fwd_kvpacked(q, kv, None, None, 0, 0, None, *op_options(fa, True)), (q, kv))
         qkv = torch.randn(1, 113, 3, 2, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
         return (lambda: fa.flash_attn_qkvpacked_func(qkv, causal=False, return_attn_probs=True)[:2],
-                lambda: fa.ops.fwd_qkvpacked(qkv, None, None, 0, 0, *op_options(fa, False)), (qkv,))
+                lambda: fa.ops.fwd_qkvpacked(qkv, None, None, 0, 0, None, *op_options(fa, False)), (qkv,))
     cu, longest = cu_seqlens(LENGTHS), max(LENGTHS)
     qkv = torch.randn(sum(LENGTHS), 3, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
     return (lambda: fa.flash_attn_varlen_qkvpacked_func(qkv, cu, longest, causal=True, return_attn_probs=True)[:2],
-            lambda: fa.ops.fwd_qkvpacked(qkv, cu, cu, longest, longest, *op_options(fa, True)), (qkv,))
+            lambda: fa.ops.fwd_qkvpacked(qkv, cu, cu, longest, longest, None, *op_options(fa, True)), (qkv,))
 
 
 def _outputs_and_grads(call, inputs, dout, dlse):

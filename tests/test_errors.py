@@ -110,9 +110,8 @@ VARLEN_CASES = {
                                   ValueError, r"cu_seqlens_q and cu_seqlens_k must both have batch \+ 1 entries"),
     "max_seqlen float": (dict(max_seqlen_q=9.0), ValueError, r"max_seqlen_q must be a non-negative int"),
     "max_seqlen negative": (dict(max_seqlen_k=-1), ValueError, r"max_seqlen_k must be a non-negative int"),
-    "block_table": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, r"block_table"),
-    "block_table with options": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32), softcap=5.0,
-                                      window_size=(4, 0)), NotImplementedError, r"block_table"),
+    "block_table with packed k": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)), ValueError,
+                                  r"k must have 4 dims \(num_blocks, page_size, nheads_k, headdim\)"),
     **OPTION_CASES,
 }
 

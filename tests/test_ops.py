@@ -12,13 +12,13 @@ def _qkv(dtype=torch.float16, heads=(4, 2), requires_grad=False):
     return random_qkv((2, 113, heads[0], 64), (2, 203, heads[1], 64), dtype, requires_grad)
 
 
-DENSE = (None, None, 0, 0)
+DENSE = (None, None, 0, 0, None)
 
 
 def _varlen_layout():
     lengths = [17, 0, 40, 5]
     cu = cu_seqlens(lengths)
-    return sum(lengths), (cu, cu, max(lengths), max(lengths))
+    return sum(lengths), (cu, cu, max(lengths), max(lengths), None)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -86,7 +86,7 @@ def test_torch_compile_fullgraph(fa):
     for got, want in zip(loss_grads(compiled), eager):
         assert torch.equal(got, want)
 
-    total, (cu, _, longest, _) = _varlen_layout()
+    total, (cu, _, longest, _, _) = _varlen_layout()
     qkv = torch.randn(total, 3, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
     varlen = lambda qkv: fa.flash_attn_varlen_qkvpacked_func(qkv, cu, longest, causal=True)  # noqa: E731
     compiled_varlen = torch.compile(varlen, fullgraph=True)

@@ -78,12 +78,12 @@ def test_descriptors_under_opcheck(fa, monkeypatch):
     the descriptor decision must not read one."""
     monkeypatch.setenv("FLASH_ATTENTION_TMA", "1")
     q, k, v = random_qkv((2, 113, 4, 64), (2, 203, 2, 64), torch.float16, requires_grad=True)
-    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, None, None, 0, 0, *op_options(fa, False)))
-    out, lse = fa.ops.fwd(q, k, v, None, None, 0, 0, *op_options(fa, False))
+    torch.library.opcheck(fa.ops.fwd.default, (q, k, v, None, None, 0, 0, None, *op_options(fa, False)))
+    out, lse = fa.ops.fwd(q, k, v, None, None, 0, 0, None, *op_options(fa, False))
     dout = torch.randn_like(out)
     torch.library.opcheck(fa.ops.bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None,
-                           None, None, 0, 0, *op_options(fa, False)))
+                           None, None, 0, 0, None, *op_options(fa, False)))
 
 
 def test_varlen_descriptors_match_plain_loads(fa, monkeypatch):

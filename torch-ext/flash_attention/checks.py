@@ -88,8 +88,9 @@ def _max_seqlen(name: str, value) -> int:
     return value
 
 
-def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> tuple[int, int]:
-    """cu_seqlens_q/k and max_seqlen_q/k for q (total_q, ...), k (total_k, ...); returns the max_seqlens."""
+def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, paged: bool = False) -> tuple[int, int]:
+    """cu_seqlens_q/k and max_seqlen_q/k for q (total_q, ...), k (total_k, ...), or a paged k
+    (whose cu_seqlens_k gives key counts, not rows of k); returns the max_seqlens."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -107,16 +108,17 @@ def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
     if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
-        for name, cu, x, max_name, longest in (("cu_seqlens_q", cu_seqlens_q, q, "max_seqlen_q", max_seqlen_q),
-                                               ("cu_seqlens_k", cu_seqlens_k, k, "max_seqlen_k", max_seqlen_k)):
-            _check_cu_seqlens_values(name, cu.tolist(), x.shape[0], max_name, longest)
+        for name, cu, total, max_name, longest in (
+                ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+                ("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], "max_seqlen_k", max_seqlen_k)):
+            _check_cu_seqlens_values(name, cu.tolist(), total, max_name, longest)
     return max_seqlen_q, max_seqlen_k
 
 
 def _check_cu_seqlens_values(name, values, total, max_name, longest) -> None:
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens ({total}), got {values[-1]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
     if any(length < 0 for length in lengths):
@@ -190,9 +192,60 @@ def attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, cau
     )
 
 
-def check_block_table(block_table) -> None:
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not supported yet; pass block_table=None")
+PAGED = "(num_blocks, page_size, nheads_k, headdim)"
+
+
+def check_paged_kv(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   dropout_p) -> tuple[int, int]:
+    """A varlen call whose k and v are paged caches listed by block_table (batch, max_blocks):
+    the caches against q, the table against the caches and the batch, and what paging leaves out
+    (gradients, dropout); returns the max_seqlens. The table's entries are read (a device-to-host
+    copy) only with FLASH_ATTENTION_CHECK_INPUTS=1; the kernel clamps them into the cache."""
+    check_tensor("q", q, "(total_q, nheads, headdim)")
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        check_tensor(name, cache, PAGED)
+        if cache.dtype != q.dtype or cache.device != q.device:
+            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {cache.dtype}, "
+                             f"{cache.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_blocks, page_size, heads_k, dim = k_cache.shape
+    if dim != q.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {dim}")
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
+    if heads_k == 0 or q.shape[1] % heads_k != 0:
+        raise ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the number of key/value "
+                         f"heads ({heads_k})")
+    if page_size == 0 or page_size % 16 != 0 or num_blocks == 0:
+        raise ValueError(f"k and v must be paged caches {PAGED} with a page size that is a positive multiple of 16, "
+                         f"got shape {tuple(k_cache.shape)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError("block_table must be an int32 tensor of shape (batch, max_num_blocks_per_seq)")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+    max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k_cache,
+                                              paged=True)
+    batch = cu_seqlens_q.numel() - 1
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have one row per sequence ({batch}), got shape {tuple(block_table.shape)}")
+    if max_seqlen_k > block_table.shape[1] * page_size:
+        raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is longer than block_table's {block_table.shape[1]} pages of "
+                         f"{page_size} keys hold")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must have a contiguous last dim")
+    if dropout_p != 0:
+        raise ValueError("block_table (a paged KV cache) serves inference: dropout_p must be 0")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k_cache, v_cache)):
+        raise ValueError("block_table (a paged KV cache) serves inference: no gradients; call under torch.no_grad() "
+                         "or pass tensors that do not require grad")
+    if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
+        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+        for b, (row, length) in enumerate(zip(block_table.tolist(), lengths)):
+            used = row[:-(-length // page_size)]
+            if any(not 0 <= page < num_blocks for page in used):
+                raise ValueError(f"block_table row {b} lists pages outside the cache's {num_blocks}: {used}")
+    return max_seqlen_q, max_seqlen_k
 
 
 def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: bool):

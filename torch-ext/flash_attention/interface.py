@@ -29,12 +29,12 @@ from typing import Optional
 
 import torch
 
-from .checks import attention_options, check_block_table, check_packed, check_qkv, check_varlen
+from .checks import attention_options, check_packed, check_paged_kv, check_qkv, check_varlen
 from .torch_ops import run_op
 
 DENSE = "(batch, seqlen, nheads, headdim)"
 VARLEN = "(total_tokens, nheads, headdim)"
-NO_LAYOUT = (None, None, 0, 0)  # dense inputs: no cu_seqlens, max_seqlens unused
+NO_LAYOUT = (None, None, 0, 0, None)  # dense inputs: no cu_seqlens, max_seqlens unused, no block_table
 
 
 def _run(op: str, inputs: tuple, q, k, layout: tuple, batch: int, dropout_p, softmax_scale, causal, window_size,
@@ -133,10 +133,18 @@ def flash_attn_varlen_func(
     s_aux: Optional[torch.Tensor] = None,
 ):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q/k int32
-    (batch + 1,); max_seqlen_q/k: the longest sequence (an int; a 0-d tensor is accepted)."""
-    check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
-    layout = (cu_seqlens_q, cu_seqlens_k, *check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k))
-    check_block_table(block_table)
+    (batch + 1,); max_seqlen_q/k: the longest sequence (an int; a 0-d tensor is accepted).
+    block_table (int32 (batch, max_num_blocks_per_seq)): k and v are paged caches
+    (num_blocks, page_size, nheads_k, headdim), page_size a multiple of 16, sequence b's key j at
+    k[block_table[b, j // page_size], j % page_size], cu_seqlens_k counting keys (inference: no
+    gradients, no dropout)."""
+    if block_table is not None:
+        max_seqlens = check_paged_kv(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     dropout_p)
+    else:
+        check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
+        max_seqlens = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    layout = (cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table)
     return _run("fwd", (q, k, v), q, k, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, s_aux, return_attn_probs)
 
@@ -162,7 +170,8 @@ def flash_attn_varlen_kvpacked_func(
     check_packed("kv", kv, "(total_tokens, 2, nheads, headdim)", 2)
     k, v = kv.unbind(dim=1)
     check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
-    layout = (cu_seqlens_q, cu_seqlens_k, *check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k))
+    layout = (cu_seqlens_q, cu_seqlens_k, *check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k),
+              None)
     return _run("fwd_kvpacked", (q, kv), q, k, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, s_aux, return_attn_probs)
 
@@ -186,7 +195,7 @@ def flash_attn_varlen_qkvpacked_func(
     q, k, v = qkv.unbind(dim=1)
     check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
     max_seqlen, _ = check_varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, q, k)
-    return _run("fwd_qkvpacked", (qkv,), q, k, (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
+    return _run("fwd_qkvpacked", (qkv,), q, k, (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None),
                 cu_seqlens.numel() - 1, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux,
                 return_attn_probs)
 

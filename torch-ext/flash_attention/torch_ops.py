@@ -43,8 +43,9 @@ Tensor = torch.Tensor
 OptionalTensor = Optional[torch.Tensor]
 
 # Every op takes its tensors, then the same trailing parameters: the sequence layout
-# (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k; cu_seqlens None means dense
-# (batch, seqlen, heads, dim) inputs, and then max_seqlen_* are unused), then the attention
+# (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table; cu_seqlens None means
+# dense (batch, seqlen, heads, dim) inputs, and then max_seqlen_* are unused; block_table: k and v
+# are paged caches, varlen forward only), then the attention
 # options as AttentionOptions flattens them (tensor options, then scalars).
 #   fwd(q, k, v, ...), fwd_kvpacked(q, kv, ...), fwd_qkvpacked(qkv, ...) -> (out, softmax_lse)
 #   bwd(dout, q, k, v, out, softmax_lse, dlse, ...) -> (dq, dk, dv, dsinks)
@@ -57,13 +58,13 @@ OptionalTensor = Optional[torch.Tensor]
 # three separate gradients.
 _LAYOUT = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
            for name, annotation in (("cu_seqlens_q", OptionalTensor), ("cu_seqlens_k", OptionalTensor),
-                                    ("max_seqlen_q", int), ("max_seqlen_k", int))]
+                                    ("max_seqlen_q", int), ("max_seqlen_k", int), ("block_table", OptionalTensor))]
 TRAILING = _LAYOUT + AttentionOptions.schema()
 NUM_TRAILING = len(TRAILING)
 
 
 def _split(trailing):
-    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), AttentionOptions."""
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table), AttentionOptions."""
     return tuple(trailing[:len(_LAYOUT)]), AttentionOptions.unflatten(trailing[len(_LAYOUT):])
 
 
@@ -159,9 +160,9 @@ _SAVED_AFTER_INPUTS = 2 + 2 + len(AttentionOptions.TENSORS)  # out, lse, cu_seql
 
 def _setup_context(ctx, inputs, output):
     tensors, trailing = inputs[:-NUM_TRAILING], inputs[-NUM_TRAILING:]
-    (cu_seqlens_q, cu_seqlens_k, *max_seqlens), options = _split(trailing)
+    (cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table), options = _split(trailing)
     ctx.save_for_backward(*tensors, *output, cu_seqlens_q, cu_seqlens_k, *options.tensors())
-    ctx.max_seqlens = max_seqlens
+    ctx.max_seqlens = max_seqlens  # (block_table: forward only, the public functions refuse gradients)
     ctx.options = options.with_tensors([None] * len(AttentionOptions.TENSORS))  # (the tensors are saved above)
     # Unused outputs (typically softmax_lse) then get None instead of a zero tensor to read.
     ctx.set_materialize_grads(False)
@@ -178,10 +179,10 @@ def _autograd_formula(backward_op):
         if dout is None:
             dout = torch.zeros_like(out)
         *grads, dsinks = backward_op(dout, *tensors, out, softmax_lse, dlse, cu_seqlens_q, cu_seqlens_k,
-                                     *ctx.max_seqlens, *options.flatten())
+                                     *ctx.max_seqlens, None, *options.flatten())
         option_grads = [dsinks if name == "sinks" and options.sinks is not None else None
                         for name in AttentionOptions.TENSORS]
-        return (*grads, None, None, None, None, *option_grads, *([None] * len(AttentionOptions.SCALARS)))
+        return (*grads, *([None] * len(_LAYOUT)), *option_grads, *([None] * len(AttentionOptions.SCALARS)))
 
     return backward
 
