@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import identity_wrap, is_interpreted, precision_mode
+from .launch import identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
 from .tiles import round_to
 
 
@@ -100,7 +100,11 @@ def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen: int
     """Rotate ``x`` (see the module docstring) and return the result: ``x`` itself, rotated in
     place, with ``inplace``, else a new tensor. ``seqlen_offsets``: an int or an integer tensor
     (batch,); ``cu_seqlens``: int32 (batch + 1,) for varlen ``x``, whose longest sequence has at
-    most ``max_seqlen`` rows. Arguments are assumed validated."""
+    most ``max_seqlen`` rows. Any strides with a contiguous last dim (others are copied; in place
+    needs one). Arguments are assumed validated."""
+    cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
+    if not inplace:
+        x = last_dim_contiguous(x)
     out = x if inplace else torch.empty_like(x)
     if x.numel() == 0:
         return out

@@ -11,6 +11,7 @@ as in flash-attn.
 
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -55,10 +56,11 @@ def _check_device(q: torch.Tensor, names: str = "q, k, v") -> None:
                        "TRITON_INTERPRET=1)")
 
 
-def check_qkv(q, k, v, layout: str, heads_axis: int, dense: bool) -> None:
-    """q, k, v with ``layout``; ``heads_axis`` holds the heads; ``dense`` inputs share dim 0 (batch)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, layout)
+def check_qkv(q, k, v, layout: str, heads_axis: int, dense: bool, kv_layout: Optional[str] = None) -> None:
+    """q, k, v with ``layout``; ``heads_axis`` holds the heads; ``dense`` inputs share dim 0 (batch).
+    ``kv_layout``: k and v's own layout where it differs from q's (a paged cache), heads on dim -2."""
+    for name, x, x_layout in (("q", q, layout), ("k", k, kv_layout or layout), ("v", v, kv_layout or layout)):
+        check_tensor(name, x, x_layout)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -72,7 +74,7 @@ def check_qkv(q, k, v, layout: str, heads_axis: int, dense: bool) -> None:
         raise ValueError(f"q and k must have the same head dim, got {dim} and {k.shape[-1]}")
     if not 1 <= dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
-    heads_q, heads_kv = q.shape[heads_axis], k.shape[heads_axis]
+    heads_q, heads_kv = q.shape[heads_axis], k.shape[-2 if kv_layout else heads_axis]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(
             f"the number of query heads ({heads_q}) must be a multiple of the number of key/value heads ({heads_kv})"
@@ -88,18 +90,23 @@ def _max_seqlen(name: str, value) -> int:
     return value
 
 
+def _check_cu_seqlens(name: str, cu, x_name: str, x: torch.Tensor) -> None:
+    """An int32 (batch + 1,) tensor of sequence starts on the device of ``x``."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be one-dimensional with batch + 1 entries, got shape {tuple(cu.shape)}")
+    if cu.device != x.device:
+        raise ValueError(f"{name} must be on the same device as {x_name} ({x.device}), got {cu.device}")
+
+
 def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, paged: bool = False) -> tuple[int, int]:
     """cu_seqlens_q/k and max_seqlen_q/k for q (total_q, ...), k (total_k, ...), or a paged k
     (whose cu_seqlens_k gives key counts, not rows of k); returns the max_seqlens."""
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.numel() < 1:
-            raise ValueError(f"{name} must be one-dimensional with batch + 1 entries, got shape {tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {cu.device}")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "q", q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "q", q)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries, got {cu_seqlens_q.numel()} "
@@ -201,22 +208,8 @@ def check_paged_kv(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
     the caches against q, the table against the caches and the batch, and what paging leaves out
     (gradients, dropout); returns the max_seqlens. The table's entries are read (a device-to-host
     copy) only with FLASH_ATTENTION_CHECK_INPUTS=1; the kernel clamps them into the cache."""
-    check_tensor("q", q, "(total_q, nheads, headdim)")
-    for name, cache in (("k", k_cache), ("v", v_cache)):
-        check_tensor(name, cache, PAGED)
-        if cache.dtype != q.dtype or cache.device != q.device:
-            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {cache.dtype}, "
-                             f"{cache.device}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    num_blocks, page_size, heads_k, dim = k_cache.shape
-    if dim != q.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {dim}")
-    if not 1 <= dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
-    if heads_k == 0 or q.shape[1] % heads_k != 0:
-        raise ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the number of key/value "
-                         f"heads ({heads_k})")
+    check_qkv(q, k_cache, v_cache, "(total_tokens, nheads, headdim)", heads_axis=1, dense=False, kv_layout=PAGED)
+    num_blocks, page_size = k_cache.shape[:2]
     if page_size == 0 or page_size % 16 != 0 or num_blocks == 0:
         raise ValueError(f"k and v must be paged caches {PAGED} with a page size that is a positive multiple of 16, "
                          f"got shape {tuple(k_cache.shape)}")
@@ -249,8 +242,7 @@ def check_paged_kv(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
 
 
 def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: bool):
-    """The arguments of apply_rotary_emb; returns (cos, sin) with a contiguous last dim,
-    seqlen_offsets (an int, or an integer tensor (batch,)) and max_seqlen (an int; unused when
+    """The arguments of apply_rotary_emb; returns seqlen_offsets (an int, or an integer tensor (batch,)) and max_seqlen (an int; unused when
     dense)."""
     varlen = cu_seqlens is not None
     check_tensor("x", x, "(total_seqlen, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)")
@@ -271,11 +263,7 @@ def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: b
     if inplace and x.stride(-1) != 1:
         raise ValueError("x must have a contiguous last dim (stride 1) to be rotated in place")
     if varlen:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
-                or cu_seqlens.numel() < 1:
-            raise ValueError("cu_seqlens must be an int32 tensor of shape (batch + 1,)")
-        if cu_seqlens.device != x.device:
-            raise ValueError(f"cu_seqlens must be on x's device ({x.device}), got {cu_seqlens.device}")
+        _check_cu_seqlens("cu_seqlens", cu_seqlens, "x", x)
         if max_seqlen is None:
             raise ValueError("max_seqlen is required with cu_seqlens")
         seqlen, batch = _max_seqlen("max_seqlen", max_seqlen), cu_seqlens.numel() - 1
@@ -298,5 +286,4 @@ def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: b
             raise ValueError(f"cos/sin have {seqlen_ro} positions; sequences of {seqlen} rows from offset "
                              f"{seqlen_offsets} need {seqlen + seqlen_offsets}")
     _check_device(x, "x, cos, sin")
-    contiguous = [t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin)]
-    return contiguous[0], contiguous[1], seqlen_offsets, seqlen if varlen else 0
+    return seqlen_offsets, seqlen if varlen else 0

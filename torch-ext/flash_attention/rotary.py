@@ -39,7 +39,6 @@ class _ApplyRotary(torch.autograd.Function):
     def backward(ctx, grad):
         cos, sin, seqlen_offsets, cu_seqlens = ctx.saved_tensors
         offset, max_seqlen, interleaved = ctx.scalars
-        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
         dx = run_rotary(False, grad, cos, sin, seqlen_offsets, cu_seqlens, offset, max_seqlen, interleaved, True)
         return dx, None, None, None, None, None, None, None, None
 
@@ -51,9 +50,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     (int32 (batch + 1,)) and max_seqlen; cos, sin: (seqlen_rotary, rotary_dim / 2) in x's dtype,
     rotary_dim <= headdim; seqlen_offsets: int or integer tensor (batch,). Returns x rotated (x
     itself with ``inplace``)."""
-    cos, sin, seqlen_offsets, max_seqlen = check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace)
-    if x.stride(-1) != 1:  # (the kernel reads features contiguously; in place this was refused above)
-        x = x.contiguous()
+    seqlen_offsets, max_seqlen = check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace)
     if isinstance(seqlen_offsets, torch.Tensor):
         offsets_tensor, offset = seqlen_offsets, 0
     else:
