@@ -10,6 +10,8 @@ strides whose last dim is contiguous.
 * scores.py: the one place where scores become logits: softcap, ALiBi, window/causal masks,
   dropout's keep mask, and which tiles a program visits.
 * forward.py: FlashAttention-2 forward (online softmax), returns out and the natural-log logsumexp.
+* decode.py: attention over a KV cache (flash_attn_with_kvcache): appending new keys and values,
+  split-KV decoding with the query heads of a KV head packed into one program, and the merge.
 * backward.py: dQ + dK/dV kernels (delta from the dQ kernel or a preprocess kernel), no atomics,
   GQA reduced inside the dK/dV kernel; the sinks' gradient.
 * probabilities.py: the attention probabilities with the dropout mask (return_attn_probs).
@@ -21,6 +23,7 @@ strides whose last dim is contiguous.
 """
 
 from .backward import attention_backward
+from .decode import attention_with_kvcache
 from .forward import _attn_fwd_kernel, attention_forward
 from .launch import is_interpreted
 from .options import AttentionOptions, draw_rng_state
@@ -34,4 +37,4 @@ def interpreter_active() -> bool:
 
 
 __all__ = ["AttentionOptions", "apply_rotary", "attention_backward", "attention_forward", "attention_probabilities",
-           "draw_rng_state", "interpreter_active"]
+           "attention_with_kvcache", "draw_rng_state", "interpreter_active"]

@@ -413,3 +413,22 @@ def smaller_config(config: TileConfig) -> Optional[TileConfig]:
     if config.block_m >= config.block_n:
         return replace(config, block_m=config.block_m // 2, num_stages=2)
     return replace(config, block_n=config.block_n // 2, num_stages=2)
+
+
+def decode_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: bool,
+                  gpu: GpuClass = GPU_CLASSES[0]) -> TileConfig:
+    """Config of the KV-cache kernel (decode.py), whose blocks hold ``rows`` (query, head) pairs
+    per KV head: the fewest rows that a tensor-core tile takes (16) up to 64, and long key tiles,
+    as deep a pipeline as the GPU's shared memory holds (decode streams the cache once, so the
+    loads in flight set its speed), at most three stages."""
+    if "decode" in OVERRIDES:
+        return OVERRIDES["decode"][0]
+    block_m = min(max(16, 1 << (max(rows, 1) - 1).bit_length()), 64)
+    if interpreted:
+        return TileConfig(block_m, 32, 4, 1)
+    width = sum(head_dim_chunks(head_dim))
+    element = 4 if dtype == torch.float32 else 2
+    block_n = 128 if width * element <= 256 else 64
+    stage_bytes = 2 * block_n * width * element  # one K and one V tile
+    free = gpu.shared_memory - block_m * width * element - 8192  # q, and room for layout conversions
+    return TileConfig(block_m, block_n, 4, max(1, min(3, free // stage_bytes)))

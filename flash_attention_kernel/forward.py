@@ -50,7 +50,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _fwd_key_loop(
+def forward_key_loop(
     acc_a, acc_b, row_sum, row_max, q_a, q_b,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, skip, seqlen_k, diag, window, score, dropout,
@@ -151,19 +151,19 @@ def _attn_fwd_kernel(
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     row_max, row_sum = row_start(sink_log2, BLOCK_M, VARIANT)
-    acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
+    acc_a, acc_b, row_sum, row_max = forward_key_loop(
         acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, full_lo, full_hi, (0, 0), seqlen_k, diag, window, score, dropout,
         BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE, PAGE_SIZE,
     )
     if MASK_LEFT & VARIANT:  # a window: the tiles crossing either band edge, in one loop
-        acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
+        acc_a, acc_b, row_sum, row_max = forward_key_loop(
             acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, lo, full_lo + (hi - full_hi), (full_lo, full_hi - full_lo), seqlen_k, diag, window, score,
             dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE,
         )
     elif not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
-        acc_a, acc_b, row_sum, row_max = _fwd_key_loop(
+        acc_a, acc_b, row_sum, row_max = forward_key_loop(
             acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, full_hi, hi, (0, 0), seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .launch import identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
-from .tiles import round_to
+from .tiles import load_rows, round_to
 
 
 @triton.jit(do_not_specialize=["seqlen", "seqlen_ro", "offset"])
@@ -93,6 +93,40 @@ def _rotary_kernel(
         tail_mask = row_head & (tail < 2 * HALF + TAIL)[None, None, :]
         tl.store(out_rows + tail[None, None, :], tl.load(x_rows + tail[None, None, :], mask=tail_mask),
                  mask=tail_mask)
+
+
+@triton.jit
+def load_rotated_rows(base_ptr, row_offsets, row_mask, positions, Cos, Sin, stride_cos, seqlen_ro,
+                      COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """Columns [COL_START, COL_START + COLS) of rows at ``row_offsets`` from ``base_ptr`` (as
+    tiles.load_rows), the first ROTARY_DIM features rotated by each row's position (0: none), for
+    kernels that rotate what they load (the KV-cache kernels rotate q and the new keys so). Each
+    feature is paired with its partner (i +- ROTARY_DIM / 2, or i ^ 1 when INTERLEAVED), read by a
+    second gather that the cache serves: y = x cos -+ partner sin. Rounded to the input's dtype, as
+    a rotation stored by ``_rotary_kernel`` would be."""
+    x = load_rows(base_ptr, row_offsets, row_mask, COL_START, COLS, HEAD_DIM)
+    if ROTARY_DIM == 0 or COL_START >= ROTARY_DIM:
+        return x
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    cols = COL_START + tl.arange(0, COLS)
+    rotating = cols < ROTARY_DIM
+    if INTERLEAVED:
+        partner = cols ^ 1
+        pair = cols // 2
+        first = cols % 2 == 0
+    else:
+        first = cols < HALF
+        partner = tl.where(first, cols + HALF, cols - HALF)
+        pair = tl.where(first, cols, cols - HALF)
+    mask = row_mask[:, None] & rotating[None, :]
+    other = tl.load(base_ptr + row_offsets[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    table = (positions.to(tl.int64) * stride_cos)[:, None] + pair[None, :]
+    in_table = mask & (positions < seqlen_ro)[:, None]  # positions past the tables rotate by 0
+    cos = tl.load(Cos + table, mask=in_table, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + table, mask=in_table, other=0.0).to(tl.float32)
+    rotated = x.to(tl.float32) * cos + tl.where(first[None, :], -other, other) * sin
+    return tl.where(rotating[None, :], round_to(rotated, x.dtype, PRECISION), x)
 
 
 def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen: int = 0, interleaved: bool = False,

@@ -70,10 +70,17 @@ def key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M: tl.constexpr, 
                     VARIANT: tl.constexpr):
     """Key-tile ranges (lo, full_lo, full_hi, hi) for query rows [start_m, start_m + BLOCK_M)
     (forward and dQ kernels). ``window`` is (left, right), read only where its bit is set."""
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    return rows_key_tile_ranges(start_m, last_m, seqlen_q, seqlen_k, window, BLOCK_N, VARIANT)
+
+
+@triton.jit
+def rows_key_tile_ranges(first_m, last_m, seqlen_q, seqlen_k, window, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr):
+    """``key_tile_ranges`` for the query rows first_m .. last_m (the decode kernel's blocks hold
+    several heads of each row)."""
     left, right = window
     diag = seqlen_k - seqlen_q
-    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    return _band_tiles(start_m, last_m, diag - left, diag + right, seqlen_k, BLOCK_N,
+    return _band_tiles(first_m, last_m, diag - left, diag + right, seqlen_k, BLOCK_N,
                        MASK_LEFT & VARIANT, MASK_RIGHT & VARIANT)
 
 

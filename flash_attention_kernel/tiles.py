@@ -207,9 +207,9 @@ def load_kv_tile(source, base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS: 
         pages = tl.load(table_row + rows // PAGE_SIZE, mask=inside, other=0)
         pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1)  # a bad table reads wrong rows, never outside
         row_offsets = pages.to(tl.int64) * stride_page + (rows % PAGE_SIZE) * stride_row
-        a = _load_rows(base_ptr, row_offsets, inside, 0, DIM_A, HEAD_DIM)
+        a = load_rows(base_ptr, row_offsets, inside, 0, DIM_A, HEAD_DIM)
         if DIM_B > 0:
-            b = _load_rows(base_ptr, row_offsets, inside, DIM_A, DIM_B, HEAD_DIM)
+            b = load_rows(base_ptr, row_offsets, inside, DIM_A, DIM_B, HEAD_DIM)
         else:
             b = tl.zeros([BLOCK_ROWS, 16], dtype=a.dtype)
         return a, b
@@ -219,10 +219,23 @@ def load_kv_tile(source, base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS: 
 
 
 @triton.jit
-def _load_rows(base_ptr, row_offsets, row_mask, COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def load_rows(base_ptr, row_offsets, row_mask, COL_START: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr):
     cols = COL_START + tl.arange(0, COLS)
     mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM)
     return tl.load(base_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def store_rows(base_ptr, tile, row_offsets, row_mask, COL_START: tl.constexpr, COLS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """Store columns [COL_START, COL_START + COLS) of a tile whose rows sit at ``row_offsets``
+    from ``base_ptr`` (the mirror of ``load_rows``), dropping masked rows and columns past
+    HEAD_DIM."""
+    cols = COL_START + tl.arange(0, COLS)
+    mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM)
+    element_type: tl.constexpr = base_ptr.dtype.element_ty
+    tl.store(base_ptr + row_offsets[:, None] + cols[None, :], round_to(tile, element_type, PRECISION).to(element_type),
+             mask=mask)
 
 
 @triton.jit

@@ -8,6 +8,7 @@ namespace, holding the forward and backward ops.
 
 Layers of the package:
 * ``interface.py``: public functions (dense, varlen, packed); ``checks.py``: their argument checks.
+* ``kvcache.py``: ``flash_attn_with_kvcache``, attention over a (paged) KV cache for inference.
 * ``bert_padding.py``: ``unpad_input`` / ``pad_input`` for the varlen functions.
 * ``rotary.py``: rotary embeddings (``apply_rotary_emb``, ``RotaryEmbedding``), flash-attn's
   ``flash_attn.layers.rotary``.
@@ -28,6 +29,7 @@ from .interface import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from .kvcache import flash_attn_with_kvcache
 from .rotary import RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_kv_, apply_rotary_emb_qkv_
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "ops",
     "rotary",
 ]

@@ -56,22 +56,28 @@ def _check_device(q: torch.Tensor, names: str = "q, k, v") -> None:
                        "TRITON_INTERPRET=1)")
 
 
-def check_qkv(q, k, v, layout: str, heads_axis: int, dense: bool, kv_layout: Optional[str] = None) -> None:
+def check_qkv(q, k, v, layout: str, heads_axis: int, dense: bool, kv_layout: Optional[str] = None,
+              kv_names: tuple[str, str] = ("k", "v")) -> None:
     """q, k, v with ``layout``; ``heads_axis`` holds the heads; ``dense`` inputs share dim 0 (batch).
-    ``kv_layout``: k and v's own layout where it differs from q's (a paged cache), heads on dim -2."""
-    for name, x, x_layout in (("q", q, layout), ("k", k, kv_layout or layout), ("v", v, kv_layout or layout)):
+    ``kv_layout``: k and v's own layout where it differs from q's (a cache), heads on dim -2;
+    ``kv_names``: what the caller calls k and v (error messages name them)."""
+    k_name, v_name = kv_names
+    for name, x, x_layout in (("q", q, layout), (k_name, k, kv_layout or layout), (v_name, v, kv_layout or layout)):
         check_tensor(name, x, x_layout)
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise TypeError(f"q, {k_name}, {v_name} must have the same dtype, got q {q.dtype}, {k_name} {k.dtype}, "
+                        f"{v_name} {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on the same device, got q {q.device}, k {k.device}, v {v.device}")
+        raise ValueError(f"q, {k_name}, {v_name} must be on the same device, got q {q.device}, {k_name} {k.device}, "
+                         f"{v_name} {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(f"{k_name} and {v_name} must have the same shape, got {k_name} {tuple(k.shape)} and "
+                         f"{v_name} {tuple(v.shape)}")
     if dense and q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+        raise ValueError(f"q and {k_name} must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     dim = q.shape[-1]
     if k.shape[-1] != dim:
-        raise ValueError(f"q and k must have the same head dim, got {dim} and {k.shape[-1]}")
+        raise ValueError(f"q and {k_name} must have the same head dim, got {dim} and {k.shape[-1]}")
     if not 1 <= dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
     heads_q, heads_kv = q.shape[heads_axis], k.shape[-2 if kv_layout else heads_axis]
@@ -79,7 +85,7 @@ def check_qkv(q, k, v, layout: str, heads_axis: int, dense: bool, kv_layout: Opt
         raise ValueError(
             f"the number of query heads ({heads_q}) must be a multiple of the number of key/value heads ({heads_kv})"
         )
-    _check_device(q)
+    _check_device(q, f"q, {k_name}, {v_name}")
 
 
 def _max_seqlen(name: str, value) -> int:

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from ._ops import add_op_namespace_prefix, ops
 from .flash_attention_kernel import (
     AttentionOptions, apply_rotary, attention_backward, attention_forward, attention_probabilities,
-    interpreter_active,
+    attention_with_kvcache, interpreter_active,
 )
 from .flash_attention_kernel.launch import identity_wrap
 
@@ -269,6 +269,47 @@ def run_rotary(inplace: bool, *args) -> Tensor:
             return args[0]
         return ops.rotary(*args)
     return _rotary_body(*args, wrap_kernel=identity_wrap, inplace=inplace)
+
+
+# Attention over a KV cache (kvcache.py): kvcache(q, k_cache, v_cache, k?, v?, rotary_cos?,
+# rotary_sin?, cache_seqlens?, cache_batch_idx?, cache_leftpad?, block_table?, cache_seqlen,
+# rotary_interleaved, num_splits, *options) -> (out, softmax_lse), writing k and v into the caches
+# in place. cache_seqlen: every sequence's cached length when cache_seqlens is None. No autograd.
+def _kvcache_body(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: OptionalTensor, v: OptionalTensor,
+                  rotary_cos: OptionalTensor, rotary_sin: OptionalTensor, cache_seqlens: OptionalTensor,
+                  cache_batch_idx: OptionalTensor, cache_leftpad: OptionalTensor, block_table: OptionalTensor,
+                  cache_seqlen: int, rotary_interleaved: bool, num_splits: int, *options, wrap_kernel):
+    return attention_with_kvcache(q, k_cache, v_cache, AttentionOptions.unflatten(options), k, v, rotary_cos,
+                                  rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
+                                  rotary_interleaved, num_splits, wrap_kernel=wrap_kernel)
+
+
+def _kvcache(*args):
+    return _kvcache_body(*args, wrap_kernel=torch.library.wrap_triton)
+
+
+_KVCACHE_PARAMETERS = (
+    [(name, Tensor) for name in ("q", "k_cache", "v_cache")]
+    + [(name, OptionalTensor) for name in ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+                                           "cache_leftpad", "block_table")]
+    + [("cache_seqlen", int), ("rotary_interleaved", bool), ("num_splits", int)])
+_kvcache.__signature__ = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+     for name, annotation in _KVCACHE_PARAMETERS] + AttentionOptions.schema(),
+    return_annotation=tuple[Tensor, Tensor])
+if not interpreter_active():
+    torch.library.triton_op(add_op_namespace_prefix("kvcache"), _kvcache, mutates_args={"k_cache", "v_cache"})
+else:
+    torch.library.custom_op(add_op_namespace_prefix("kvcache"), _kvcache,
+                            mutates_args={"k_cache", "v_cache"}).register_fake(
+        lambda *args: _kvcache_body(*args, wrap_kernel=_SkipLaunch))
+
+
+def run_kvcache(*args):
+    """The kvcache op on its arguments; eager calls skip the dispatcher, as run_op's do."""
+    if _needs_dispatcher([x for x in args if isinstance(x, torch.Tensor)]):
+        return ops.kvcache(*args)
+    return _kvcache_body(*args, wrap_kernel=identity_wrap)
 
 
 def run_op(name: str, *args):

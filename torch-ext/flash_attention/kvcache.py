@@ -1,0 +1,186 @@
+"""flash_attn_with_kvcache: attention over a KV cache for inference, with flash-attn 2.8's interface.
+
+q (batch, seqlen_q, nheads, headdim) attends to the keys and values of a cache, contiguous
+(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_blocks, page_size, nheads_k, headdim)
+through ``block_table`` (batch, max_blocks_per_seq) int32, any page size that is a multiple of 16.
+With new keys and values ``k``, ``v`` (batch, seqlen_new, nheads_k, headdim) the call first writes
+them into the cache in place, at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of
+batch entry b's cache row (``cache_batch_idx[b]``, or b), rotating k by ``rotary_cos/sin``
+(seqlen_ro, rotary_dim / 2) when given; q is then rotated too, at cache_seqlens + i with a causal
+mask or a window, else at cache_seqlens (GPT-J pairing with ``rotary_interleaved``, else GPT-NeoX).
+Query row i of entry b then sees keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new), with
+causal masks, windows and ALiBi aligned to that end (as flash_attn_func aligns them to seqlen_k).
+``cache_seqlens`` (an int, or int32 (batch,)) is not updated: the caller advances it.
+
+``num_splits``: 0 chooses how many ranges the keys are split into (flash-decoding, so that few
+sequences still fill the GPU; decode.num_splits_heuristic documents the rule), 1 forces one pass,
+n > 1 splits into n. Each count is bitwise repeatable. Returns out like q, and with
+``return_softmax_lse`` also lse (batch, nheads, seqlen_q) fp32. Inference only: no gradients.
+
+Cache positions past the cache's capacity are never written or read: a too large tensor
+cache_seqlens is bounded on the device (the new rows past the end are dropped). Its values, like
+cache_batch_idx's and block_table's, are read on the host only under FLASH_ATTENTION_CHECK_INPUTS=1.
+"""
+
+import os
+from typing import Optional, Union
+
+import torch
+
+from .checks import DEBUG_CHECKS_ENV, attention_options, check_qkv, check_tensor
+from .flash_attention_kernel.decode import MAX_SPLITS
+from .torch_ops import run_kvcache
+
+CACHE = "(batch_cache, seqlen_cache, nheads_k, headdim)"
+PAGED = "(num_blocks, page_size, nheads_k, headdim)"
+NEW = "(batch, seqlen_new, nheads_k, headdim)"
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    s_aux: Optional[torch.Tensor] = None,
+):
+    """See the module docstring. Returns out, or (out, softmax_lse) with return_softmax_lse."""
+    cache_seqlens, cache_seqlen = check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                                cache_batch_idx, cache_leftpad, block_table, num_splits)
+    options = attention_options(q, q.shape[0], 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
+    out, softmax_lse = run_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, cache_seqlen, bool(rotary_interleaved), num_splits,
+                                   *options.flatten())
+    return (out, softmax_lse) if return_softmax_lse else out
+
+
+def _index_tensor(name: str, x, batch: int, q: torch.Tensor) -> None:
+    """An int32 (batch,) tensor on q's device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of shape (batch,), got {type(x).__name__}")
+    if x.dtype != torch.int32 or tuple(x.shape) != (batch,):
+        raise ValueError(f"{name} must be an int32 tensor of shape (batch,) = ({batch},), got dtype {x.dtype} and "
+                         f"shape {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}), got {x.device}")
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, num_splits):
+    """The arguments of flash_attn_with_kvcache; returns (cache_seqlens as an int32 tensor or None,
+    the int cache length used when it is None)."""
+    paged = block_table is not None
+    check_qkv(q, k_cache, v_cache, "(batch, seqlen_q, nheads, headdim)", heads_axis=2, dense=False,
+              kv_layout=PAGED if paged else CACHE, kv_names=("k_cache", "v_cache"))
+    batch = q.shape[0]
+    if paged:
+        num_blocks, page_size = k_cache.shape[:2]
+        if page_size == 0 or page_size % 16 != 0 or num_blocks == 0:
+            raise ValueError(f"k_cache and v_cache must be paged caches {PAGED} with a page size that is a positive "
+                             f"multiple of 16, got shape {tuple(k_cache.shape)}")
+        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
+                or block_table.shape[0] != batch or block_table.stride(-1) != 1):
+            raise ValueError(f"block_table must be an int32 tensor (batch, max_num_blocks_per_seq) = ({batch}, ...) "
+                             f"with a contiguous last dim, got "
+                             f"{block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table)} "
+                             f"{tuple(getattr(block_table, 'shape', ()))}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+        for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if x is not None:
+                raise ValueError(f"{name} is not supported with block_table (paged KV cache), as in flash-attn: "
+                                 f"list each sequence's pages in block_table instead")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if cache_batch_idx is None and k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have q's batch size ({batch}) in dim 0, or pass cache_batch_idx; got "
+                             f"{k_cache.shape[0]}")
+        capacity = k_cache.shape[1]
+    for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None:
+            _index_tensor(name, x, batch, q)
+
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) must be given together")
+    if k is not None:
+        check_qkv(q, k, v, "(batch, seqlen_q, nheads, headdim)", heads_axis=2, dense=True, kv_layout=NEW)
+        if k.shape[2] != k_cache.shape[2]:
+            raise ValueError(f"k must have k_cache's number of heads ({k_cache.shape[2]}), got shape {tuple(k.shape)}")
+        seqlen_new = k.shape[1]
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is needed with k and v: the new keys are written at cache_seqlens")
+
+    if cache_seqlens is None:
+        cache_seqlen = capacity
+    elif isinstance(cache_seqlens, torch.Tensor):
+        _index_tensor("cache_seqlens", cache_seqlens, batch, q)
+        cache_seqlen = 0
+    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int) or cache_seqlens < 0:
+        raise ValueError(f"cache_seqlens must be a non-negative int or an int32 tensor (batch,), got {cache_seqlens!r}")
+    else:
+        cache_seqlen, cache_seqlens = cache_seqlens, None
+    if cache_seqlens is None and cache_seqlen + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens ({cache_seqlen}) + the {seqlen_new} new keys would overflow the cache, "
+                         f"which holds {capacity} keys per sequence")
+
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin rotate the new keys and q: they need k and v")
+        for name, table in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            check_tensor(name, table, "(seqlen_ro, rotary_dim / 2)")
+            if table.dtype != q.dtype or table.device != q.device:
+                raise TypeError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {table.dtype}, "
+                                f"{table.device}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+                             f"{tuple(rotary_sin.shape)}")
+        if not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1]:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]} must be between 2 "
+                             f"and the head dim ({q.shape[-1]})")
+        if rotary_cos.shape[0] < capacity:
+            raise ValueError(f"rotary_cos and rotary_sin have {rotary_cos.shape[0]} positions; they must cover the "
+                             f"cache's {capacity}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k_cache, v_cache, k, v)):
+        raise ValueError("flash_attn_with_kvcache serves inference and has no backward: call it under "
+                         "torch.no_grad(), or pass tensors that do not require grad")
+    if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
+        _check_values(k_cache, cache_seqlens, cache_batch_idx, block_table, seqlen_new, capacity)
+    return cache_seqlens, cache_seqlen
+
+
+def _check_values(k_cache, cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, capacity: int) -> None:
+    """FLASH_ATTENTION_CHECK_INPUTS=1: the index tensors' values (device-to-host copies)."""
+    entries = k_cache.shape[0]
+    if cache_seqlens is not None:
+        lengths = [length + seqlen_new for length in cache_seqlens.tolist()]
+        if min(lengths) < seqlen_new or max(lengths) > capacity:
+            raise ValueError(f"cache_seqlens ({cache_seqlens.tolist()}) + the {seqlen_new} new keys must stay within "
+                             f"the cache's {capacity} keys per sequence")
+    if cache_batch_idx is not None and any(not 0 <= row < entries for row in cache_batch_idx.tolist()):
+        raise ValueError(f"cache_batch_idx lists rows outside the cache's {entries}: {cache_batch_idx.tolist()}")
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        lengths = lengths if cache_seqlens is not None else [capacity] * block_table.shape[0]
+        for b, (row, length) in enumerate(zip(block_table.tolist(), lengths)):
+            used = row[:-(-length // page_size)]
+            if any(not 0 <= page < entries for page in used):
+                raise ValueError(f"block_table row {b} lists pages outside the cache's {entries}: {used}")
