@@ -328,6 +328,17 @@ TABLES = {"sm90": _SM90, "sm100": _SM100, "sm80": _SM80, "sm86": _SM86, "sm75": 
 OVERRIDES: dict = {}
 
 
+# Caches of launch decisions made from this module's configs (functools.lru_cache'd functions),
+# emptied when an override changes them
+_DERIVED_CACHES: list = []
+
+
+def cleared_by_overrides(cached_function):
+    """Register an lru_cache'd function whose results depend on the configs (decode._plan)."""
+    _DERIVED_CACHES.append(cached_function)
+    return cached_function
+
+
 def set_override(kernel: str, config: Optional[TileConfig], warp_specialized: bool = False) -> None:
     """Make every launch of ``kernel`` use ``config`` (None: the table again), as its
     warp-specialised entry or as its plain one with warp specialisation off."""
@@ -335,6 +346,8 @@ def set_override(kernel: str, config: Optional[TileConfig], warp_specialized: bo
         OVERRIDES.pop(kernel, None)
     else:
         OVERRIDES[kernel] = (config, warp_specialized)
+    for cached_function in _DERIVED_CACHES:
+        cached_function.cache_clear()
 
 
 def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str = "none",

@@ -24,17 +24,23 @@ chunked prefill: a few to a few hundred). Three kernels, launched in order on on
    of a sequence's keys: the kernel sees keys [leftpad, seqlen_k) as a sequence of their own
    (absolute and relative positions give the same masks and biases).
 3. ``_merge_kernel`` (NUM_SPLITS > 1): out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max),
-   lse = max + log(sum_s w_s), in split order, so a given split count is bitwise repeatable. A
-   sink joins split 0's row start, hence every row's denominator exactly once.
+   lse = max + log(sum_s w_s), all splits of a row loaded at once and summed in a fixed order, so
+   a given split count is bitwise repeatable. A sink joins split 0's row start, hence every row's
+   denominator exactly once.
 
 A row that sees no key gets out 0 and lse +inf (with a sink: lse = sink), as in the forward.
 """
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .configs import GPU_CLASSES, decode_config, head_dim_chunks
+from . import configs
+from .configs import GPU_CLASSES, TileConfig, decode_config, head_dim_chunks
+from .direct_launch import launcher
 from .forward import forward_key_loop
 from .launch import (
     check_gpu_supports, device_gpu_class, fixed_launch_plan, identity_wrap, is_interpreted, kernel_variant,
@@ -47,6 +53,7 @@ from .tiles import store_rows
 
 LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 128
+MERGE_ELEMENTS = 4096  # fp32 values of the splits' outputs the merge kernel loads at once
 
 
 @triton.jit
@@ -221,56 +228,100 @@ def _decode_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(OutSplits, LseSplits, Out, Lse, num_heads, num_splits,
+def _merge_kernel(OutSplits, LseSplits, Out, Lse, num_splits,
                   stride_ss, stride_sb, stride_sm, stride_sh, stride_ls, stride_lb, stride_lh,
                   stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_H: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """Merge the splits of query row program 0, heads [BLOCK_H x program 1, ...), batch program 2
-    (module docstring)."""
+    """Merge the splits of one (query row, head, batch entry) (module docstring), SPLIT_BLOCK
+    splits per load: all of them in one round trip to memory where they fit."""
     query = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
-    head_inside = heads < num_heads
     cols = tl.arange(0, HEAD_DIM_PADDED)
-    mask = head_inside[:, None] & (cols < HEAD_DIM)[None, :]
-    split_rows = batch * stride_sb + query * stride_sm + heads * stride_sh
-    lse_rows = batch * stride_lb + heads * stride_lh + query
-    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM_PADDED], dtype=tl.float32)
-    for split in range(num_splits):
-        split_offset = tl.cast(split, tl.int64)
-        lse = tl.load(LseSplits + split_offset * stride_ls + lse_rows, mask=head_inside, other=float("-inf"))
-        out = tl.load(OutSplits + split_offset * stride_ss + split_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-        new_max = tl.maximum(row_max, lse)
+    splits = tl.arange(0, SPLIT_BLOCK)
+    out_base = OutSplits + batch * stride_sb + query * stride_sm + head * stride_sh
+    lse_base = LseSplits + batch * stride_lb + head * stride_lh + query
+    row_max = tl.full([1], float("-inf"), tl.float32)
+    row_sum = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM_PADDED], dtype=tl.float32)
+    for first in range(0, num_splits, SPLIT_BLOCK):
+        inside = first + splits < num_splits
+        lse = tl.load(lse_base + (first + splits).to(tl.int64) * stride_ls, mask=inside, other=float("-inf"))
+        out = tl.load(out_base + (first + splits).to(tl.int64)[:, None] * stride_ss + cols[None, :],
+                      mask=inside[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
+        new_max = tl.maximum(row_max, tl.max(lse, 0))
         pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
         alpha = tl.exp(row_max - pivot)
-        weight = tl.exp(lse - pivot)
-        row_sum = row_sum * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * out
+        weights = tl.exp(lse - pivot)
+        row_sum = row_sum * alpha + tl.sum(weights, 0)
+        acc = acc * alpha + tl.sum(weights[:, None] * out, 0)
         row_max = new_max
     empty_row = row_sum == 0.0
-    out = acc / tl.where(empty_row, 1.0, row_sum)[:, None]
-    out_rows = batch * stride_ob + query * stride_om + heads * stride_oh
-    store_rows(Out, out, out_rows, head_inside, 0, HEAD_DIM_PADDED, HEAD_DIM, PRECISION)
+    out = acc / tl.where(empty_row, 1.0, row_sum)
+    store_rows(Out + batch * stride_ob + query * stride_om + head * stride_oh, out[None, :], tl.zeros([1], tl.int64),
+               tl.full([1], True, tl.int1), 0, HEAD_DIM_PADDED, HEAD_DIM, PRECISION)
     lse = tl.where(empty_row, float("inf"), row_max + tl.log(tl.where(empty_row, 1.0, row_sum)))
-    tl.store(Lse + batch * stride_lse_b + heads * stride_lse_h + query, lse, mask=head_inside)
+    tl.store(Lse + batch * stride_lse_b + head * stride_lse_h + query + tl.arange(0, 1), lse)
+
+
+MIN_TILES_PER_SPLIT = 4
 
 
 def num_splits_heuristic(programs: int, key_tiles: int, num_sms: int) -> int:
     """Splits for a launch of ``programs`` (row block, KV head, batch entry) programs over at most
-    ``key_tiles`` key tiles each: none when they already fill the GPU's ``num_sms``
-    multiprocessors, else enough for about two programs per multiprocessor, each keeping at least
-    MIN_TILES_PER_SPLIT tiles (fewer, longer splits read the cache at a better rate and merge
-    less), at most MAX_SPLITS."""
-    if programs >= num_sms or key_tiles < 2 * MIN_TILES_PER_SPLIT:
+    ``key_tiles`` key tiles each: none when they fill at least half of the GPU's ``num_sms``
+    multiprocessors, else as many as make one program per multiprocessor, each keeping at least
+    MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS. Measured on an H200 (benchmarks/NOTES.md,
+    v16): one program per multiprocessor beats two or more, whose shorter splits pay the
+    pipeline's fill and the merge more often."""
+    if 2 * programs > num_sms or key_tiles < 2 * MIN_TILES_PER_SPLIT:
         return 1
-    wanted = triton.cdiv(2 * num_sms, programs)
-    return max(1, min(wanted, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(num_sms // programs, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-MIN_TILES_PER_SPLIT = 4
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one launch shape decides, once (``_plan``): the decode kernel's config, its programs
+    before splitting, the number of multiprocessors, and each kernel's grid and keywords."""
+
+    config: TileConfig
+    programs: int
+    num_sms: int
+    append: tuple  # (grid, keywords), or () without new keys
+    decode: dict  # SPLIT -> keywords, with the config's
+    merge: tuple  # (grid, keywords)
+
+
+@configs.cleared_by_overrides
+@functools.lru_cache(maxsize=1024)
+def _plan(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_new, page_size, variant,
+          rotate_by_row, seqlens_per_batch, has_batch_idx, has_leftpad, rotary_dim, interleaved, interpreted) -> _Plan:
+    precision = precision_mode(dtype, interpreted)
+    per_batch = dict(SEQLENS_PER_BATCH=seqlens_per_batch, HAS_BATCH_IDX=has_batch_idx, PAGE_SIZE=page_size,
+                     ROTARY_DIM=rotary_dim, INTERLEAVED=interleaved, PRECISION=precision)
+    append = ()
+    if seqlen_new > 0:
+        block_rows = min(16, _pow2(seqlen_new))
+        append = ((-(-seqlen_new // block_rows), heads_k, batch),
+                  dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=_pow2(head_dim), BLOCK_ROWS=block_rows, **per_batch,
+                       num_warps=4))
+    rows = seqlen_q * (num_heads // heads_k)
+    config = decode_config(rows, head_dim, dtype, interpreted, GPU_CLASSES[0] if interpreted else
+                           device_gpu_class(device))
+    dim_a, dim_b = head_dim_chunks(head_dim)
+    decode = {split: dict(GROUP_SIZE=num_heads // heads_k, HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, VARIANT=variant,
+                          HAS_LEFTPAD=has_leftpad, ROTATE_BY_ROW=rotate_by_row, SPLIT=split, **per_batch,
+                          **config.launch_args())
+              for split in (False, True)}
+    merge = ((seqlen_q, num_heads, batch),
+             dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=_pow2(head_dim), PRECISION=precision, num_warps=4))
+    num_sms = 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
+    return _Plan(config, -(-rows // config.block_m) * heads_k * batch, num_sms, append, decode, merge)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new=None, v_new=None, rotary_cos=None,
@@ -285,6 +336,10 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     Keys already cached: ``cache_seqlens`` int32 (batch,), else the int ``cache_seqlen`` for every
     sequence. rotary_cos/sin (seqlen_ro, rotary_dim / 2) or None. num_splits: 0 = heuristic.
     out like q; lse fp32 (batch, heads, seqlen_q). Inputs are assumed validated.
+
+    Host time matters here as much as the kernels' (a decode step's kernels take microseconds):
+    what depends only on the shapes and options is decided once per shape (``_plan``) and the
+    kernels launch through direct_launch.launcher.
     """
     q = last_dim_contiguous(q)
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -293,46 +348,41 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     capacity = block_table.shape[1] * page_size if page_size else k_cache.shape[1]
     seqlen_new = k_new.shape[1] if k_new is not None else 0
     rotary_dim = 2 * rotary_cos.shape[1] if rotary_cos is not None else 0
-    if rotary_dim:
-        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     interpreted = is_interpreted(_decode_kernel)
     if not interpreted:
         check_gpu_supports(q.device, q.dtype)
-    precision = precision_mode(q.dtype, interpreted)
+    plan = _plan(q.device, q.dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_new, page_size,
+                 kernel_variant(options, q.dtype, interpreted), options.mask_kind != "none",
+                 cache_seqlens is not None, cache_batch_idx is not None, cache_leftpad is not None, rotary_dim,
+                 bool(rotary_interleaved), interpreted)
     stand_in = q
-    table_args = (block_table if page_size else stand_in, block_table.stride(0) if page_size else 0, k_cache.shape[0])
-    rotary_args = (rotary_cos, rotary_sin, rotary_cos.stride(0), rotary_cos.shape[0]) if rotary_dim else (
-        stand_in, stand_in, 0, 0)
+    if rotary_dim:
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+        rotary_args = (rotary_cos, rotary_sin, rotary_cos.stride(0), rotary_cos.shape[0])
+    else:
+        rotary_args = (stand_in, stand_in, 0, 0)
+    table_args = (block_table, block_table.stride(0), k_cache.shape[0]) if page_size else (stand_in, 0,
+                                                                                          k_cache.shape[0])
     seqlens_arg = cache_seqlens if cache_seqlens is not None else stand_in
     batch_idx_arg = cache_batch_idx if cache_batch_idx is not None else stand_in
-    per_batch = dict(SEQLENS_PER_BATCH=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-                     PAGE_SIZE=page_size, ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved),
-                     PRECISION=precision)
+    k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
 
     if seqlen_new > 0:
         k_new, v_new = last_dim_contiguous(k_new), last_dim_contiguous(v_new)
-        block_rows = min(16, triton.next_power_of_2(seqlen_new))
-        wrap_kernel(_append_kernel)[(triton.cdiv(seqlen_new, block_rows), heads_k, batch)](
+        grid, keywords = plan.append
+        launcher(_append_kernel, wrap_kernel)[grid](
             k_new, v_new, k_cache, v_cache, seqlens_arg, batch_idx_arg, *table_args, *rotary_args,
-            k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
-            *_cache_strides(k_cache), *_cache_strides(v_cache), seqlen_new, capacity, cache_seqlen,
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), BLOCK_ROWS=block_rows, **per_batch,
-            num_warps=4,
+            *k_new.stride()[:3], *v_new.stride()[:3], *k_strides, *v_strides, seqlen_new, capacity, cache_seqlen,
+            **keywords,
         )
 
     out = torch.empty_like(q)
     lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    group = num_heads // heads_k
-    rows = seqlen_q * group
-    config = decode_config(rows, head_dim, q.dtype, interpreted,
-                           GPU_CLASSES[0] if interpreted else device_gpu_class(q.device))
-    row_blocks = triton.cdiv(rows, config.block_m)
     if num_splits == 0:
-        key_tiles = triton.cdiv(min(capacity, cache_seqlen + seqlen_new) if cache_seqlens is None else capacity,
-                                config.block_n)
-        num_splits = num_splits_heuristic(row_blocks * heads_k * batch, key_tiles, _sm_count(q.device, interpreted))
+        longest = capacity if cache_seqlens is not None else min(capacity, cache_seqlen + seqlen_new)
+        num_splits = num_splits_heuristic(plan.programs, -(-longest // plan.config.block_n), plan.num_sms)
     split = num_splits > 1
     if split:
         out_splits = torch.empty((num_splits, batch, seqlen_q, num_heads, head_dim), dtype=torch.float32,
@@ -341,43 +391,23 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
         targets = (out_splits, lse_splits, *out_splits.stride()[:4], *lse_splits.stride()[:3])
     else:
         targets = (out, lse, 0, *out.stride()[:3], 0, *lse.stride()[:2])
-    dim_a, dim_b = head_dim_chunks(head_dim)
-    plan = fixed_launch_plan("decode", config, head_dim, q.dtype, options, q.device)
+    rows = seqlen_q * (num_heads // heads_k)
 
     def launch(config, specialized):
-        grid = (triton.cdiv(rows, config.block_m) * num_splits, heads_k, batch)
-        wrap_kernel(_decode_kernel)[grid](
+        keywords = plan.decode[split] if config is plan.config else {**plan.decode[split], **config.launch_args()}
+        launcher(_decode_kernel, wrap_kernel)[(-(-rows // config.block_m) * num_splits, heads_k, batch)](
             q, k_cache, v_cache, targets[0], targets[1], seqlens_arg, batch_idx_arg,
             cache_leftpad if cache_leftpad is not None else stand_in, *table_args, *rotary_args,
-            q.stride(0), q.stride(1), q.stride(2), *_cache_strides(k_cache), *_cache_strides(v_cache), *targets[2:],
-            seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, *options.kernel_args(q),
-            GROUP_SIZE=group, HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
-            VARIANT=kernel_variant(options, q.dtype, interpreted), HAS_LEFTPAD=cache_leftpad is not None,
-            ROTATE_BY_ROW=options.mask_kind != "none", SPLIT=split, **per_batch,
-            **config.launch_args(),
+            *q.stride()[:3], *k_strides, *v_strides, *targets[2:],
+            seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, *options.kernel_args(q), **keywords,
         )
 
-    launch_fitting(plan, launch)
+    launch_fitting(fixed_launch_plan("decode", plan.config, head_dim, q.dtype, options, q.device), launch)
     if split:
-        block_h = min(triton.next_power_of_2(num_heads), 16)
-        wrap_kernel(_merge_kernel)[(seqlen_q, triton.cdiv(num_heads, block_h), batch)](
-            out_splits, lse_splits, out, lse, num_heads, num_splits, *out_splits.stride()[:4],
-            *lse_splits.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), BLOCK_H=block_h, PRECISION=precision,
-            num_warps=4,
+        grid, keywords = plan.merge
+        launcher(_merge_kernel, wrap_kernel)[grid](
+            out_splits, lse_splits, out, lse, num_splits, *out_splits.stride()[:4], *lse_splits.stride()[:3],
+            *out.stride()[:3], *lse.stride()[:2], SPLIT_BLOCK=min(_pow2(num_splits), MERGE_ELEMENTS // _pow2(head_dim)),
+            **keywords,
         )
     return out, lse
-
-
-def _cache_strides(cache: torch.Tensor) -> tuple:
-    """(entry or page, row, head) strides of a cache (batch_cache or pages, rows, heads, dim)."""
-    return cache.stride(0), cache.stride(1), cache.stride(2)
-
-
-def _sm_count(device: torch.device, interpreted: bool) -> int:
-    if interpreted or device.type != "cuda":
-        return 4
-    return _SM_COUNTS.setdefault(device, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-_SM_COUNTS: dict = {}

@@ -23,6 +23,7 @@ offset mod 2^32): each call gives 8-bit draws to 16 pairs, queries i and i + 8 b
 (scores.dropout_keep).
 """
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, fields, replace
@@ -79,13 +80,15 @@ class AttentionOptions:
         return replace(self, **dict(zip(self.TENSORS, tensors, strict=True)))
 
     # ---- what the kernels see ------------------------------------------------------------
-    @property
+    # (derived values are cached on the instance: the public functions reuse one options object
+    # per distinct set of scalar options, checks.scalar_options)
+    @functools.cached_property
     def window(self) -> tuple[int, int]:
         """(left, right) as the kernels apply them: causal bounds the right side at 0."""
         right = 0 if self.causal else self.window_right
         return self.window_left, right
 
-    @property
+    @functools.cached_property
     def mask_kind(self) -> str:
         """Config-table key: "none", "causal" (an upper band edge only) or "window" (a lower one)."""
         left, right = self.window
@@ -93,7 +96,7 @@ class AttentionOptions:
             return "window"
         return "causal" if right >= 0 else "none"
 
-    @property
+    @functools.cached_property
     def variant(self) -> int:
         """The VARIANT constexpr: one bit per option in use (scores.py)."""
         left, right = self.window

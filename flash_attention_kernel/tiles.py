@@ -234,8 +234,9 @@ def store_rows(base_ptr, tile, row_offsets, row_mask, COL_START: tl.constexpr, C
     cols = COL_START + tl.arange(0, COLS)
     mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM)
     element_type: tl.constexpr = base_ptr.dtype.element_ty
-    tl.store(base_ptr + row_offsets[:, None] + cols[None, :], round_to(tile, element_type, PRECISION).to(element_type),
-             mask=mask)
+    if tile.dtype != element_type:  # (a tile loaded in the target's dtype is stored as it is)
+        tile = round_to(tile, element_type, PRECISION).to(element_type)
+    tl.store(base_ptr + row_offsets[:, None] + cols[None, :], tile, mask=mask)
 
 
 @triton.jit

@@ -9,8 +9,10 @@ read on every call); without it, a wrong cu_seqlens or a too small max_seqlen gi
 as in flash-attn.
 """
 
+import functools
 import math
 import os
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -186,10 +188,15 @@ def attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, cau
                       alibi_slopes, s_aux) -> AttentionOptions:
     """The validated options of a call on ``q`` (heads on dim -2) with ``batch`` sequences, with
     dropout's RNG state drawn from PyTorch's generator when dropout_p > 0."""
-    heads = q.shape[-2]
-    dropout_p = _number("dropout_p", dropout_p, "a number in [0, 1)", lambda p: 0.0 <= p < 1.0)
-    window_left, window_right = _window(window_size)
-    softcap = _number("softcap", softcap, "a number >= 0 (0 = off)", lambda c: c >= 0)
+    heads, head_dim = q.shape[-2:]
+    if isinstance(window_size, (list, torch.Tensor)):  # (a tensor would be cached by its id)
+        window_size = _window(window_size)
+    try:
+        options = scalar_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap)
+    except TypeError:  # an unhashable argument: the checks' own error
+        options = scalar_options.__wrapped__(head_dim, dropout_p, softmax_scale, causal, window_size, softcap)
+    if alibi_slopes is None and s_aux is None and options.dropout_p == 0:
+        return options
     if alibi_slopes is not None:
         alibi_slopes = _per_head_tensor("alibi_slopes", alibi_slopes, q,
                                         {f"(nheads,) = ({heads},)": (heads,),
@@ -198,10 +205,21 @@ def attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, cau
     if s_aux is not None:
         s_aux = _per_head_tensor("s_aux", s_aux, q, {f"(nheads,) = ({heads},)": (heads,)}, SINK_DTYPES,
                                  "float16, bfloat16 or float32")
+    rng_state = draw_rng_state(q.device) if options.dropout_p > 0 else None
+    return replace(options, alibi_slopes=alibi_slopes, sinks=s_aux, rng_state=rng_state)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def scalar_options(head_dim: int, dropout_p, softmax_scale, causal, window_size, softcap) -> AttentionOptions:
+    """The validated scalar options, as one AttentionOptions without tensors. Cached: a model calls
+    with the same few sets of options again and again, and a call's host time counts in decoding
+    (a cached object also keeps the values it derives, options.AttentionOptions.variant...)."""
+    dropout_p = _number("dropout_p", dropout_p, "a number in [0, 1)", lambda p: 0.0 <= p < 1.0)
+    window_left, window_right = _window(window_size)
+    softcap = _number("softcap", softcap, "a number >= 0 (0 = off)", lambda c: c >= 0)
     return AttentionOptions(
-        softmax_scale=softmax_scale_or_default(softmax_scale, q.shape[-1]), causal=bool(causal),
+        softmax_scale=softmax_scale_or_default(softmax_scale, head_dim), causal=bool(causal),
         window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p,
-        alibi_slopes=alibi_slopes, sinks=s_aux, rng_state=draw_rng_state(q.device) if dropout_p > 0 else None,
     )
 
 

@@ -59,13 +59,55 @@ def flash_attn_with_kvcache(
     s_aux: Optional[torch.Tensor] = None,
 ):
     """See the module docstring. Returns out, or (out, softmax_lse) with return_softmax_lse."""
-    cache_seqlens, cache_seqlen = check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                                cache_batch_idx, cache_leftpad, block_table, num_splits)
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table)
+    cache_seqlens, cache_seqlen = checked_kvcache(tensors, cache_seqlens, num_splits)
     options = attention_options(q, q.shape[0], 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
-    out, softmax_lse = run_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   cache_leftpad, block_table, cache_seqlen, bool(rotary_interleaved), num_splits,
-                                   *options.flatten())
+    out, softmax_lse = run_kvcache(options, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, cache_leftpad, block_table, cache_seqlen, bool(rotary_interleaved),
+                                   num_splits)
     return (out, softmax_lse) if return_softmax_lse else out
+
+
+# Signatures (what check_kvcache reads of its arguments) of calls whose checks passed -> the cache
+# capacity. A decode loop repeats one signature, and checking it again would cost more host time
+# than its kernels take on the GPU.
+_PASSED: dict = {}
+MAX_SIGNATURES = 4096
+
+
+def _signature(x):
+    if isinstance(x, torch.Tensor):
+        return type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad
+    return type(x) if isinstance(x, int) and not isinstance(x, bool) else x
+
+
+def checked_kvcache(tensors: tuple, cache_seqlens, num_splits):
+    """check_kvcache, skipped for a signature that passed before (the values of an int
+    cache_seqlens, which the signature leaves out, are checked on every call); returns what
+    check_kvcache returns."""
+    if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
+        return check_kvcache(*tensors[:7], cache_seqlens, *tensors[7:], num_splits)
+    signature = (torch.is_grad_enabled(), num_splits, _signature(cache_seqlens), *map(_signature, tensors))
+    capacity = _PASSED.get(signature)
+    if capacity is None:
+        result = check_kvcache(*tensors[:7], cache_seqlens, *tensors[7:], num_splits)
+        if len(_PASSED) >= MAX_SIGNATURES:
+            _PASSED.clear()
+        _PASSED[signature] = _capacity(tensors[1], tensors[-1])
+        return result
+    if isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens, 0
+    if cache_seqlens is None:
+        return None, capacity
+    seqlen_new = 0 if tensors[3] is None else tensors[3].shape[1]
+    if not 0 <= cache_seqlens <= capacity - seqlen_new:  # check_kvcache raises, naming the values
+        return check_kvcache(*tensors[:7], cache_seqlens, *tensors[7:], num_splits)
+    return None, cache_seqlens
+
+
+def _capacity(k_cache, block_table) -> int:
+    """Keys per sequence that the cache holds."""
+    return k_cache.shape[1] * block_table.shape[1] if block_table is not None else k_cache.shape[1]
 
 
 def _index_tensor(name: str, x, batch: int, q: torch.Tensor) -> None:

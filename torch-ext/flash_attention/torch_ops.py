@@ -214,15 +214,19 @@ class _EagerAttention(torch.autograd.Function):
         return None, *_DIRECT_BACKWARD[ctx.name](ctx, dout, dlse)
 
 
-def _needs_dispatcher(tensors) -> bool:
-    """Whether a call must go through the registered op (see the module docstring)."""
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _needs_dispatcher(args) -> bool:
+    """Whether a call on ``args`` must go through the registered op (see the module docstring):
+    a tracing or transforming context, or a tensor of another type among them."""
     return (
         torch.compiler.is_compiling()
         or torch.jit.is_tracing()
         or torch._C._is_torch_function_mode_enabled()
         or is_in_torch_dispatch_mode()
         or torch._C._functorch.peek_interpreter_stack() is not None
-        or any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors)
+        or any(type(x) not in _PLAIN for x in args if isinstance(x, torch.Tensor))
     )
 
 
@@ -263,7 +267,7 @@ else:
 def run_rotary(inplace: bool, *args) -> Tensor:
     """The rotary op (``rotary_`` with ``inplace``, then returning x) on its arguments; eager
     calls skip the dispatcher, as run_op's do."""
-    if _needs_dispatcher([x for x in args if isinstance(x, torch.Tensor)]):
+    if _needs_dispatcher(args):
         if inplace:
             ops.rotary_(*args)
             return args[0]
@@ -305,11 +309,16 @@ else:
         lambda *args: _kvcache_body(*args, wrap_kernel=_SkipLaunch))
 
 
-def run_kvcache(*args):
-    """The kvcache op on its arguments; eager calls skip the dispatcher, as run_op's do."""
-    if _needs_dispatcher([x for x in args if isinstance(x, torch.Tensor)]):
-        return ops.kvcache(*args)
-    return _kvcache_body(*args, wrap_kernel=identity_wrap)
+def run_kvcache(options: AttentionOptions, *args):
+    """The kvcache op on ``args`` (its parameters before the options) with ``options``; eager calls
+    skip the dispatcher, as run_op's do, and hand the options object through as it is."""
+    if _needs_dispatcher(args):
+        return ops.kvcache(*args, *options.flatten())
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, \
+        cache_seqlen, rotary_interleaved, num_splits = args
+    return attention_with_kvcache(q, k_cache, v_cache, options, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                  cache_seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_interleaved,
+                                  num_splits)
 
 
 def run_op(name: str, *args):
