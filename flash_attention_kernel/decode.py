@@ -1,14 +1,9 @@
 """Attention over a KV cache (flash_attn_with_kvcache): append, split-KV attention, merge.
 
 Inference reads a long cache with few queries (decode: one token; speculative decoding and
-chunked prefill: a few to a few hundred). Three kernels, launched in order on one stream:
+chunked prefill: a few to a few hundred). Two kernels, launched in order on one stream:
 
-1. ``_append_kernel`` (only with new keys and values): writes them into the cache at each
-   sequence's ``cache_seqlens`` (contiguous, with ``cache_batch_idx`` choosing the cache row, or
-   paged through the block table), the keys rotated first when rotary tables are given. Rows that
-   would land past the cache's capacity are dropped on the device: a bad ``cache_seqlens`` never
-   writes out of bounds.
-2. ``_decode_kernel``: the forward pass of forward.py, with two changes.
+1. ``_decode_kernel``: the forward pass of forward.py, with three changes.
    * GQA packing. A program owns one KV head, and its BLOCK_M rows are (query row, query head)
      pairs of every query head sharing that KV head, row r holding query i = r // GROUP_SIZE of
      head kv_head * GROUP_SIZE + r % GROUP_SIZE. K and V are read once per KV head instead of
@@ -17,13 +12,21 @@ chunked prefill: a few to a few hundred). Three kernels, launched in order on on
      are cut into NUM_SPLITS contiguous ranges, one program each (grid axis 0 = row block x
      split), so that a batch with few KV heads still fills the GPU. Each split stores its output
      normalised by its own row sum, in fp32, and its logsumexp (-inf where it saw nothing).
+   * Appending (HAS_NEW). New keys and values are written into the cache (contiguous, with
+     ``cache_batch_idx`` choosing the row, or paged through the block table) at each sequence's
+     ``cache_seqlens``, the keys rotated first when rotary tables are given, by the kernel that
+     reads them: each program writes the new rows inside its own key range before its loop (a
+     barrier orders its writes before its reads), and the program of split 0 and row block 0
+     writes all of them (rows no query sees still belong in the cache). No program reads a row
+     that another one writes, so no launch is needed in between; rows past the cache's capacity
+     are dropped, so a bad ``cache_seqlens`` never writes out of bounds.
    Queries are rotated as they are loaded (rotary.load_rotated_rows) at cache_seqlens + i with a
    causal mask or a window, else all at cache_seqlens, as flash-attn does. Masks, softcap, ALiBi
    and sinks come from scores.py as in the forward kernel; causal masks and windows are aligned to
    each sequence's end, seqlen_k = cache_seqlens + seqlen_new. ``cache_leftpad`` moves the start
    of a sequence's keys: the kernel sees keys [leftpad, seqlen_k) as a sequence of their own
    (absolute and relative positions give the same masks and biases).
-3. ``_merge_kernel`` (NUM_SPLITS > 1): out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max),
+2. ``_merge_kernel`` (NUM_SPLITS > 1): out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max),
    lse = max + log(sum_s w_s), all splits of a row loaded at once and summed in a fixed order, so
    a given split count is bitwise repeatable. A sink joins split 0's row start, hence every row's
    denominator exactly once.
@@ -52,6 +55,7 @@ from .scores import ALIBI, MASK_LEFT, SINKS, head_options, row_start, rows_key_t
 from .tiles import store_rows
 
 LN2 = tl.constexpr(0.6931471805599453)
+NEW_ROWS_BLOCK = tl.constexpr(16)  # new key/value rows written per step
 MAX_SPLITS = 128
 MERGE_ELEMENTS = 4096  # fp32 values of the splits' outputs the merge kernel loads at once
 
@@ -83,61 +87,56 @@ def _sequence_start(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, cache_entr
     return cache_seqlen, cache_row
 
 
-@triton.jit(do_not_specialize=["seqlen_new", "capacity", "cache_seqlen"])
-def _append_kernel(
-    KNew, VNew, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable, stride_table, cache_entries,
-    Cos, Sin, stride_cos, seqlen_ro,
-    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
-    stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
-    seqlen_new, capacity, cache_seqlen,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    SEQLENS_PER_BATCH: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Rows [BLOCK_ROWS x program 0, ...) of the new keys and values of one (KV head, batch entry)
-    into the cache, at cache_seqlens + row; rows at or past ``capacity`` are dropped."""
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    cache_seqlen, cache_row = _sequence_start(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, cache_entries,
-                                              SEQLENS_PER_BATCH, HAS_BATCH_IDX)
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    positions = cache_seqlen + rows
-    inside = (rows < seqlen_new) & (positions < capacity) & (positions >= 0)
-    k_rows = batch.to(tl.int64) * stride_knb + head * stride_knh + rows.to(tl.int64) * stride_knn
-    v_rows = batch.to(tl.int64) * stride_vnb + head * stride_vnh + rows.to(tl.int64) * stride_vnn
-    k = load_rotated_rows(KNew, k_rows, inside, positions, Cos, Sin, stride_cos, seqlen_ro, 0, HEAD_DIM_PADDED,
-                          HEAD_DIM, ROTARY_DIM, INTERLEAVED, PRECISION)
-    v = load_rotated_rows(VNew, v_rows, inside, positions, Cos, Sin, stride_cos, seqlen_ro, 0, HEAD_DIM_PADDED,
-                          HEAD_DIM, 0, INTERLEAVED, PRECISION)
-    k_cache = _cache_rows(positions, inside, batch, cache_row, BlockTable, stride_table, cache_entries, stride_kcb,
-                          stride_kcn, PAGE_SIZE) + head * stride_kch
-    v_cache = _cache_rows(positions, inside, batch, cache_row, BlockTable, stride_table, cache_entries, stride_vcb,
-                          stride_vcn, PAGE_SIZE) + head * stride_vch
-    store_rows(KCache, k, k_cache, inside, 0, HEAD_DIM_PADDED, HEAD_DIM, PRECISION)
-    store_rows(VCache, v, v_cache, inside, 0, HEAD_DIM_PADDED, HEAD_DIM, PRECISION)
+@triton.jit
+def _write_new_rows(KNew, VNew, K, V, first, last, cache_seqlen, capacity, batch, kv_head, cache_row, BlockTable,
+                    stride_table, cache_entries, Cos, Sin, stride_cos, seqlen_ro, new_strides, cache_strides,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                    INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """New rows [first, last) of one (batch entry, KV head) into the caches at cache_seqlen + row,
+    the keys rotated by that position; rows at or past ``capacity`` are dropped."""
+    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh = new_strides
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh = cache_strides
+    for start in range(first, last, NEW_ROWS_BLOCK):
+        rows = start + tl.arange(0, NEW_ROWS_BLOCK)
+        positions = cache_seqlen + rows
+        inside = (rows < last) & (positions < capacity)
+        k_rows = batch.to(tl.int64) * stride_knb + kv_head * stride_knh + rows.to(tl.int64) * stride_knn
+        v_rows = batch.to(tl.int64) * stride_vnb + kv_head * stride_vnh + rows.to(tl.int64) * stride_vnn
+        k = load_rotated_rows(KNew, k_rows, inside, positions, Cos, Sin, stride_cos, seqlen_ro, 0, HEAD_DIM_PADDED,
+                              HEAD_DIM, ROTARY_DIM, INTERLEAVED, PRECISION)
+        v = load_rotated_rows(VNew, v_rows, inside, positions, Cos, Sin, stride_cos, seqlen_ro, 0, HEAD_DIM_PADDED,
+                              HEAD_DIM, 0, INTERLEAVED, PRECISION)
+        k_cache = _cache_rows(positions, inside, batch, cache_row, BlockTable, stride_table, cache_entries, stride_kb,
+                              stride_kn, PAGE_SIZE) + kv_head * stride_kh
+        v_cache = _cache_rows(positions, inside, batch, cache_row, BlockTable, stride_table, cache_entries, stride_vb,
+                              stride_vn, PAGE_SIZE) + kv_head * stride_vh
+        store_rows(K, k, k_cache, inside, 0, HEAD_DIM_PADDED, HEAD_DIM, PRECISION)
+        store_rows(V, v, v_cache, inside, 0, HEAD_DIM_PADDED, HEAD_DIM, PRECISION)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_new", "capacity", "cache_seqlen", "num_splits"])
 def _decode_kernel(
-    Q, K, V, Out, Lse, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, stride_table, cache_entries,
+    Q, K, V, KNew, VNew, Out, Lse, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, stride_table, cache_entries,
     Cos, Sin, stride_cos, seqlen_ro,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
+    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh,
     seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits,
     AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
     dropout_threshold, dropout_scale,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SEQLENS_PER_BATCH: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    HAS_LEFTPAD: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, ROTATE_BY_ROW: tl.constexpr,
-    SPLIT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, DIM_A: tl.constexpr,
+    DIM_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
+    PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLENS_PER_BATCH: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr, HAS_NEW: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ROTATE_BY_ROW: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Rows of BLOCK_M (query, head) pairs of one KV head x one split of its keys (module
     docstring). Out / Lse are the output and lse, or with SPLIT the per-split buffers
-    (splits, batch, seqlen_q, heads, dim) fp32 and (splits, batch, heads, seqlen_q)."""
+    (splits, batch, seqlen_q, heads, dim) fp32 and (splits, batch, heads, seqlen_q). With HAS_NEW,
+    KNew / VNew (batch, seqlen_new, heads_k, dim) are first written into the caches."""
     split = tl.program_id(0) % num_splits
     start_r = (tl.program_id(0) // num_splits) * BLOCK_M
     kv_head = tl.program_id(1)
@@ -189,6 +188,19 @@ def _decode_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     split_lo = lo + split * tiles_per_split * BLOCK_N
     split_hi = tl.minimum(split_lo + tiles_per_split * BLOCK_N, hi)
+
+    if HAS_NEW:  # the new rows this program reads, and from split 0 of row block 0 all of them, into the caches
+        first_new = cache_seqlen - key_start  # (a key index relative to key_start, as split_lo / split_hi)
+        everything = (split == 0) & (start_r == 0)
+        _write_new_rows(KNew, VNew, K, V, tl.where(everything, 0, tl.maximum(split_lo - first_new, 0)),
+                        tl.where(everything, seqlen_new, tl.minimum(split_hi - first_new, seqlen_new)), cache_seqlen,
+                        capacity, batch, kv_head, cache_row, BlockTable, stride_table, cache_entries, Cos, Sin,
+                        stride_cos, seqlen_ro, (stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh),
+                        (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh), HEAD_DIM, HEAD_DIM_PADDED,
+                        ROTARY_DIM, INTERLEAVED, PAGE_SIZE, PRECISION)
+        tl.debug_barrier()  # this program's writes before its reads
+        if start_r >= seqlen_q * GROUP_SIZE:  # (seqlen_q = 0: a program that only writes)
+            return
 
     diag = seqlen_k - seqlen_q
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
@@ -292,7 +304,6 @@ class _Plan:
     config: TileConfig
     programs: int
     num_sms: int
-    append: tuple  # (grid, keywords), or () without new keys
     decode: dict  # SPLIT -> keywords, with the config's
     merge: tuple  # (grid, keywords)
 
@@ -304,24 +315,18 @@ def _plan(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_n
     precision = precision_mode(dtype, interpreted)
     per_batch = dict(SEQLENS_PER_BATCH=seqlens_per_batch, HAS_BATCH_IDX=has_batch_idx, PAGE_SIZE=page_size,
                      ROTARY_DIM=rotary_dim, INTERLEAVED=interleaved, PRECISION=precision)
-    append = ()
-    if seqlen_new > 0:
-        block_rows = min(16, _pow2(seqlen_new))
-        append = ((-(-seqlen_new // block_rows), heads_k, batch),
-                  dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=_pow2(head_dim), BLOCK_ROWS=block_rows, **per_batch,
-                       num_warps=4))
     rows = seqlen_q * (num_heads // heads_k)
     config = decode_config(rows, head_dim, dtype, interpreted, GPU_CLASSES[0] if interpreted else
                            device_gpu_class(device))
     dim_a, dim_b = head_dim_chunks(head_dim)
-    decode = {split: dict(GROUP_SIZE=num_heads // heads_k, HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, VARIANT=variant,
-                          HAS_LEFTPAD=has_leftpad, ROTATE_BY_ROW=rotate_by_row, SPLIT=split, **per_batch,
-                          **config.launch_args())
+    decode = {split: dict(GROUP_SIZE=num_heads // heads_k, HEAD_DIM=head_dim, HEAD_DIM_PADDED=_pow2(head_dim),
+                          DIM_A=dim_a, DIM_B=dim_b, VARIANT=variant, HAS_LEFTPAD=has_leftpad, HAS_NEW=seqlen_new > 0,
+                          ROTATE_BY_ROW=rotate_by_row, SPLIT=split, **per_batch, **config.launch_args())
               for split in (False, True)}
     merge = ((seqlen_q, num_heads, batch),
              dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=_pow2(head_dim), PRECISION=precision, num_warps=4))
     num_sms = 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
-    return _Plan(config, -(-rows // config.block_m) * heads_k * batch, num_sms, append, decode, merge)
+    return _Plan(config, max(1, -(-rows // config.block_m)) * heads_k * batch, num_sms, decode, merge)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new=None, v_new=None, rotary_cos=None,
@@ -351,7 +356,9 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     interpreted = is_interpreted(_decode_kernel)
     if not interpreted:
         check_gpu_supports(q.device, q.dtype)
-    plan = _plan(q.device, q.dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_new, page_size,
+    # (int(): symbolic sizes under torch.compile's dynamic shapes are specialised here)
+    plan = _plan(q.device, q.dtype, int(batch), int(seqlen_q), int(num_heads), int(head_dim), int(heads_k),
+                 int(seqlen_new), int(page_size),
                  kernel_variant(options, q.dtype, interpreted), options.mask_kind != "none",
                  cache_seqlens is not None, cache_batch_idx is not None, cache_leftpad is not None, rotary_dim,
                  bool(rotary_interleaved), interpreted)
@@ -369,18 +376,17 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
 
     if seqlen_new > 0:
         k_new, v_new = last_dim_contiguous(k_new), last_dim_contiguous(v_new)
-        grid, keywords = plan.append
-        launcher(_append_kernel, wrap_kernel)[grid](
-            k_new, v_new, k_cache, v_cache, seqlens_arg, batch_idx_arg, *table_args, *rotary_args,
-            *k_new.stride()[:3], *v_new.stride()[:3], *k_strides, *v_strides, seqlen_new, capacity, cache_seqlen,
-            **keywords,
-        )
+        new_args = (k_new, v_new), (*k_new.stride()[:3], *v_new.stride()[:3])
+    else:
+        new_args = (stand_in, stand_in), (0,) * 6
 
     out = torch.empty_like(q)
     lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    if batch == 0 or (out.numel() == 0 and seqlen_new == 0):
         return out, lse
-    if num_splits == 0:
+    if seqlen_q == 0:  # (a launch that only appends)
+        num_splits = 1
+    elif num_splits == 0:
         longest = capacity if cache_seqlens is not None else min(capacity, cache_seqlen + seqlen_new)
         num_splits = num_splits_heuristic(plan.programs, -(-longest // plan.config.block_n), plan.num_sms)
     split = num_splits > 1
@@ -395,10 +401,10 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
 
     def launch(config, specialized):
         keywords = plan.decode[split] if config is plan.config else {**plan.decode[split], **config.launch_args()}
-        launcher(_decode_kernel, wrap_kernel)[(-(-rows // config.block_m) * num_splits, heads_k, batch)](
-            q, k_cache, v_cache, targets[0], targets[1], seqlens_arg, batch_idx_arg,
+        launcher(_decode_kernel, wrap_kernel)[(max(1, -(-rows // config.block_m)) * num_splits, heads_k, batch)](
+            q, k_cache, v_cache, *new_args[0], targets[0], targets[1], seqlens_arg, batch_idx_arg,
             cache_leftpad if cache_leftpad is not None else stand_in, *table_args, *rotary_args,
-            *q.stride()[:3], *k_strides, *v_strides, *targets[2:],
+            *q.stride()[:3], *k_strides, *v_strides, *new_args[1], *targets[2:],
             seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, *options.kernel_args(q), **keywords,
         )
 

@@ -515,11 +515,13 @@ def test_rotary(fa, interleaved, mode):
 # 7. the cache outside the new rows
 
 
+@pytest.mark.parametrize("queries", ["causal", "window", "none"])
 @pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged"])
-def test_cache_untouched_outside_new_rows(fa, layout):
+def test_cache_untouched_outside_new_rows(fa, layout, queries):
     """A fully random cache (no NaN): after a call with k, v only the slots
     [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of the used cache rows (or pages) change, and
-    they hold k, v."""
+    they hold k, v: also the new rows that no query sees (a window of one key, or no queries at
+    all: the kernel that attends writes them)."""
     dtype = DTYPES[["contiguous", "batch_idx", "paged"].index(layout) % len(DTYPES)]
     heads, heads_k, head_dim, seqlen_new = 2, 2, 40, 4
     seqlens = [9, 0, 30]
@@ -533,9 +535,13 @@ def test_cache_untouched_outside_new_rows(fa, layout):
         k_cache = torch.randn(num_blocks, page_size, heads_k, head_dim, device=DEVICE, dtype=dtype)
         v_cache = torch.randn_like(k_cache)
         extra = dict(block_table=_int32([[7, 2, 0], [5, 8, 8], [3, 1, 6]]))  # pages 4 and 8 (padding) unused
-    q, k, v = random_qkv((batch, 2, heads, head_dim), (batch, seqlen_new, heads_k, head_dim), dtype)
+    seqlen_q = 0 if queries == "none" else 2
+    q, k, v = random_qkv((batch, seqlen_q, heads, head_dim), (batch, seqlen_new, heads_k, head_dim), dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=_int32(seqlens), causal=True, **extra)
+    window = (0, 0) if queries == "window" else (-1, -1)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=_int32(seqlens), causal=True,
+                                     window_size=window, **extra)
+    assert out.shape == q.shape
     if layout == "paged":
         table = extra["block_table"]
         written = _paged_written_mask(k_cache, table, seqlens, seqlen_new)
@@ -671,3 +677,27 @@ def test_return_softmax_lse(fa, sinks):
         assert torch.allclose(lse[0], s_aux[:, None].expand(heads, seqlen_q), atol=1e-6, rtol=0)
     else:
         assert torch.isposinf(lse[0]).all() and torch.isposinf(lse[1, :, :3]).all()
+
+
+def test_opcheck_and_compile(fa):
+    """The kvcache op passes torch.library.opcheck (it writes the new rows into its cache arguments),
+    and flash_attn_with_kvcache compiles into one graph that gives eager's output and cache."""
+    dtype, heads, heads_k, head_dim = torch.float16, 4, 2, 32
+    q, k, v = random_qkv((2, 2, heads, head_dim), (2, 2, heads_k, head_dim), dtype)
+    k_cache, v_cache = _cache(2, 48, heads_k, head_dim, dtype)
+    seqlens = _int32([5, 20])
+    options = fa.flash_attention_kernel.AttentionOptions(0.125, True).flatten()
+    for new in ((k, v), (None, None)):
+        args = (q, k_cache.clone(), v_cache.clone(), *new, None, None, seqlens, None, None, None, 0, True, 2)
+        torch.library.opcheck(fa.ops.kvcache.default, (*args, *options))
+
+    def step(q, k_cache, v_cache, k, v):
+        return fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True) * 2.0
+
+    caches_eager = (k_cache.clone(), v_cache.clone())
+    caches_compiled = (k_cache.clone(), v_cache.clone())
+    want = step(q, *caches_eager, k, v)
+    got = torch.compile(step, fullgraph=True)(q, *caches_compiled, k, v)
+    _assert_bitwise_equal("compiled output", got, want)
+    for name, got_cache, want_cache in zip(("k_cache", "v_cache"), caches_compiled, caches_eager):
+        _assert_bitwise_equal(f"compiled {name}", got_cache, want_cache)

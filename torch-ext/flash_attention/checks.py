@@ -192,6 +192,8 @@ def attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, cau
     if isinstance(window_size, (list, torch.Tensor)):  # (a tensor would be cached by its id)
         window_size = _window(window_size)
     try:
+        if torch.compiler.is_compiling():  # (dynamo traces the function, not its cache)
+            raise TypeError
         options = scalar_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap)
     except TypeError:  # an unhashable argument: the checks' own error
         options = scalar_options.__wrapped__(head_dim, dropout_p, softmax_scale, causal, window_size, softcap)
