@@ -3,7 +3,9 @@
 Every row is timed in one process on the same inputs (bf16, 32 query heads / 8 KV heads, head
 dim 128 unless --dtype / --heads / --heads-k / --head-dim say otherwise); times are
 triton.testing.do_bench medians (warmup 25 ms, rep 100 ms; do_bench clears the L2 before each
-call, so even a small cache is read from HBM).
+call, so even a small cache is read from HBM) of CUDA-graph replays of each call: the GPU's time,
+which is what bandwidth means (--timing eager times the calls as issued instead, where a call's
+host time shows once it exceeds the GPU's; the host section measures host time itself).
 
 Bandwidth. A call is counted as reading K and V once: batch * seqlen_k * nheads_k * head_dim *
 2 tensors * element size bytes (seqlen_k = keys attended: the whole cache), divided by the median
@@ -109,9 +111,33 @@ def synchronize():
         torch.cuda.synchronize()
 
 
+TIMING = {"mode": "graph"}  # --timing
+
+
+def replay_of(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream), as a callable that
+    replays it: the GPU time of its kernels, without the host time of issuing them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def median_ms(fn):
-    """do_bench median on a GPU; on CPU (--smoke) the median of three wall-clock calls."""
+    """do_bench median on a GPU, of CUDA-graph replays of ``fn`` with --timing graph (the default;
+    a call that cannot be captured is timed as issued); on CPU (--smoke) the median of three
+    wall-clock calls."""
     if DEVICE == "cuda":
+        if TIMING["mode"] == "graph":
+            try:
+                fn = replay_of(fn)
+            except Exception:  # noqa: BLE001 (not capturable: timed eagerly)
+                torch.cuda.synchronize()
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     times = []
     for _ in range(3):
@@ -618,7 +644,7 @@ def host_loop_table(bench):
     args = bench.args
     fa, batch, start, layers = bench.fa, 1, args.host_cache, args.host_layers
     steps, warmup = args.host_steps, args.host_warmup
-    capacity = start + warmup + steps + 8
+    capacity = start + warmup + steps + 64  # (the profiled and graphed steps advance too)
     heads, heads_k, head_dim = bench.heads, bench.heads_k, bench.head_dim
     q = bench.randn(batch, 1, heads, head_dim)
     k_new, v_new = bench.randn(batch, 1, heads_k, head_dim), bench.randn(batch, 1, heads_k, head_dim)
@@ -657,21 +683,36 @@ def host_loop_table(bench):
     position = torch.tensor([start], dtype=torch.long, device=DEVICE)
     length = [start]  # the host knows how many keys are valid
 
-    def sdpa_step(advance=True):
+    def sdpa_step(advance=True, backends=None):
         hidden = None
         for k_cache, v_cache in caches_t:
             k_cache.index_copy_(2, position, k_new_t)
             v_cache.index_copy_(2, position, v_new_t)
             valid = length[0] + 1
-            out = F.scaled_dot_product_attention(q_t, k_cache[:, :, :valid], v_cache[:, :, :valid], enable_gqa=True)
+            with sdpa_kernel(backends or list(SDPBackend)):
+                out = F.scaled_dot_product_attention(q_t, k_cache[:, :, :valid], v_cache[:, :, :valid],
+                                                     enable_gqa=True)
             hidden = out.transpose(1, 2).reshape(batch, -1) @ weight
         if advance:
             position.add_(1)
             length[0] += 1
         return hidden
 
+    def sdpa_flash_step(advance=True):
+        return sdpa_step(advance, [SDPBackend.FLASH_ATTENTION])
+
+    # ours, the whole step captured in one CUDA graph (cache_seqlens lives on the device, so a replay
+    # appends at the next position): what a serving loop that uses graphs pays per step
+    graph_step = []
+
+    def ours_graph_step(advance=True):
+        if not graph_step:
+            graph_step.append(replay_of(ours_step))
+        graph_step[0]()
+
     loops = {}
-    for name, step in (("flash_attn_with_kvcache", ours_step), ("sdpa + index_copy_", sdpa_step)):
+    for name, step in (("flash_attn_with_kvcache", ours_step), ("flash_attn_with_kvcache, CUDA graph", ours_graph_step),
+                       ("sdpa + index_copy_", sdpa_step), ("sdpa FLASH + index_copy_", sdpa_flash_step)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -737,9 +778,12 @@ def host_call_table(bench):
 
 
 def measure_copy_ceiling(nbytes):
-    """TB/s of torch.empty_like(x).copy_(x) on an ``nbytes`` buffer, counted read + written."""
+    """TB/s of torch.empty_like(x).copy_(x) on an ``nbytes`` buffer, counted read + written (timed
+    as issued: one long kernel, whose host time hides under the GPU's)."""
     x = torch.empty(nbytes // 2, device=DEVICE, dtype=torch.bfloat16).normal_()
+    mode, TIMING["mode"] = TIMING["mode"], "eager"
     ms = median_ms(lambda: torch.empty_like(x).copy_(x))
+    TIMING["mode"] = mode
     return 2 * nbytes / ms * 1e-9
 
 
@@ -785,6 +829,9 @@ def main(argv):
                              " TRITON_INTERPRET=1 when there is no GPU; exit 1 if our rows fail")
     parser.add_argument("--out", type=Path, metavar="FILE",
                         help="markdown file for the tables (default benchmarks/results/decode.md; none with --smoke)")
+    parser.add_argument("--timing", choices=["graph", "eager"], default="graph",
+                        help="graph: time CUDA-graph replays of each call (the GPU's time); eager: time the calls "
+                             "as issued (host time shows where it exceeds the GPU's)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--heads", type=int, default=32, help="query heads")
     parser.add_argument("--heads-k", type=int, default=8, help="KV heads")
@@ -808,6 +855,7 @@ def main(argv):
     parser.add_argument("--copy-gb", type=float, default=1.0, help="buffer of the copy ceiling, GB (>= 1 on a GPU)")
     args = parser.parse_args(argv)
     apply_presets(args)
+    TIMING["mode"] = args.timing
     if args.heads % args.heads_k:
         parser.error("--heads must be a multiple of --heads-k")
     if args.out is None and not args.smoke:
@@ -822,7 +870,9 @@ def main(argv):
     header = [f"device {device_name}, torch {torch.__version__}, triton {triton.__version__}",
               f"command: python {' '.join([Path(sys.argv[0]).name, *argv])}; package {Path(fa.__file__).parent}",
               f"{args.dtype}, {args.heads} query heads / {args.heads_k} KV heads, head dim {args.head_dim};"
-              " times: triton.testing.do_bench medians" + (" (wall clock on CPU)" if DEVICE != "cuda" else ""),
+              " times: triton.testing.do_bench medians" + (" (wall clock on CPU)" if DEVICE != "cuda" else
+                                                            f" of {'CUDA-graph replays' if args.timing == 'graph' else 'eager calls'}"
+                                                            " (the host section: wall clock)"),
               "TB/s = K and V bytes read (batch * seqlen_k * heads_k * d * 2 tensors * element size) / median time"]
     for line in header:
         print(line)

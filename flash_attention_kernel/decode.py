@@ -46,8 +46,8 @@ from .configs import GPU_CLASSES, TileConfig, decode_config, head_dim_chunks
 from .direct_launch import launcher
 from .forward import forward_key_loop
 from .launch import (
-    check_gpu_supports, device_gpu_class, fixed_launch_plan, identity_wrap, is_interpreted, kernel_variant,
-    last_dim_contiguous, launch_fitting, precision_mode,
+    LaunchPlan, check_gpu_supports, device_gpu_class, fixed_launch_plan, identity_wrap, is_interpreted,
+    kernel_variant, last_dim_contiguous, launch_fitting, precision_mode, refitted,
 )
 from .options import AttentionOptions
 from .rotary import load_rotated_rows
@@ -304,6 +304,7 @@ class _Plan:
     config: TileConfig
     programs: int
     num_sms: int
+    fit: LaunchPlan  # (launch.launch_fitting steps down from the config where it does not fit)
     decode: dict  # SPLIT -> keywords, with the config's
     merge: tuple  # (grid, keywords)
 
@@ -312,6 +313,8 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)
 def _plan(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_new, page_size, variant,
           rotate_by_row, seqlens_per_batch, has_batch_idx, has_leftpad, rotary_dim, interleaved, interpreted) -> _Plan:
+    if not interpreted:
+        check_gpu_supports(device, dtype)
     precision = precision_mode(dtype, interpreted)
     per_batch = dict(SEQLENS_PER_BATCH=seqlens_per_batch, HAS_BATCH_IDX=has_batch_idx, PAGE_SIZE=page_size,
                      ROTARY_DIM=rotary_dim, INTERLEAVED=interleaved, PRECISION=precision)
@@ -326,7 +329,8 @@ def _plan(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_n
     merge = ((seqlen_q, num_heads, batch),
              dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=_pow2(head_dim), PRECISION=precision, num_warps=4))
     num_sms = 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
-    return _Plan(config, max(1, -(-rows // config.block_m)) * heads_k * batch, num_sms, decode, merge)
+    fit = fixed_launch_plan("decode", config, head_dim, dtype, variant, device)
+    return _Plan(config, max(1, -(-rows // config.block_m)) * heads_k * batch, num_sms, fit, decode, merge)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new=None, v_new=None, rotary_cos=None,
@@ -354,10 +358,9 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     seqlen_new = k_new.shape[1] if k_new is not None else 0
     rotary_dim = 2 * rotary_cos.shape[1] if rotary_cos is not None else 0
     interpreted = is_interpreted(_decode_kernel)
-    if not interpreted:
-        check_gpu_supports(q.device, q.dtype)
+    device = q.device
     # (int(): symbolic sizes under torch.compile's dynamic shapes are specialised here)
-    plan = _plan(q.device, q.dtype, int(batch), int(seqlen_q), int(num_heads), int(head_dim), int(heads_k),
+    plan = _plan(device, q.dtype, int(batch), int(seqlen_q), int(num_heads), int(head_dim), int(heads_k),
                  int(seqlen_new), int(page_size),
                  kernel_variant(options, q.dtype, interpreted), options.mask_kind != "none",
                  cache_seqlens is not None, cache_batch_idx is not None, cache_leftpad is not None, rotary_dim,
@@ -381,7 +384,7 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
         new_args = (stand_in, stand_in), (0,) * 6
 
     out = torch.empty_like(q)
-    lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=device)
     if batch == 0 or (out.numel() == 0 and seqlen_new == 0):
         return out, lse
     if seqlen_q == 0:  # (a launch that only appends)
@@ -392,8 +395,8 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     split = num_splits > 1
     if split:
         out_splits = torch.empty((num_splits, batch, seqlen_q, num_heads, head_dim), dtype=torch.float32,
-                                 device=q.device)
-        lse_splits = torch.empty((num_splits, batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+                                 device=device)
+        lse_splits = torch.empty((num_splits, batch, num_heads, seqlen_q), dtype=torch.float32, device=device)
         targets = (out_splits, lse_splits, *out_splits.stride()[:4], *lse_splits.stride()[:3])
     else:
         targets = (out, lse, 0, *out.stride()[:3], 0, *lse.stride()[:2])
@@ -408,7 +411,7 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
             seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, *options.kernel_args(q), **keywords,
         )
 
-    launch_fitting(fixed_launch_plan("decode", plan.config, head_dim, q.dtype, options, q.device), launch)
+    launch_fitting(refitted(plan.fit), launch)
     if split:
         grid, keywords = plan.merge
         launcher(_merge_kernel, wrap_kernel)[grid](

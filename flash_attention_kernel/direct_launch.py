@@ -9,10 +9,12 @@ would set the speed of decoding (benchmarks/NOTES.md, v14).
 A ``DirectKernel`` launches the first call of each specialisation through JITFunction.run, keeps
 the CompiledKernel it returns, and calls that kernel's launcher directly from then on. Its key
 holds every fact Triton specialises a launch on, or finer ones: the current device, the
-constexpr and launch keywords, each tensor's dtype and 16-byte alignment, each int's range and,
-where the kernel specialises it, whether it is 1 or a multiple of 16, and every other argument's
-type. A finer key only costs an extra lookup through JITFunction.run, so it can never launch a
-kernel compiled for other arguments.
+constexpr and launch keywords, the arguments' types, each tensor's dtype and 16-byte alignment,
+the value of each int the kernel specialises (Triton keeps whether it is 1 or a multiple of 16)
+and of every argument of another type, and the range of the other ints. A finer key only costs
+an extra lookup through JITFunction.run, so it can never launch a kernel compiled for other
+arguments. The key is built from getters made once per tuple of argument types, as it is built
+on every launch.
 
 Direct launches are used only where they were checked: Triton versions in CHECKED_TRITON, eager
 calls (torch.compile traces wrap_triton's launches instead), compiled kernels (not the
@@ -21,6 +23,7 @@ FLASH_ATTENTION_DIRECT_LAUNCH=0 turns them off.
 """
 
 import functools
+import operator
 import os
 
 import torch
@@ -35,15 +38,6 @@ from .launch import identity_wrap, is_interpreted
 
 CHECKED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
 _INT32 = range(-2 ** 31, 2 ** 31)
-
-
-def _other_key(x, specialized):
-    """The key of an argument other than a plain tensor or int (see ``DirectKernel._launch``)."""
-    if isinstance(x, torch.Tensor):  # a subclass, e.g. torch.nn.Parameter
-        return x.dtype, x.data_ptr() % 16 == 0
-    if isinstance(x, int) and not isinstance(x, bool):
-        return x if specialized else x in _INT32
-    return type(x)
 
 
 def _hooked(hook) -> bool:
@@ -66,18 +60,20 @@ class DirectKernel:
         self.specialized = [not p.do_not_specialize for p in runtime]
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         self.compiled = {}
+        self.kinds = {}  # argument types -> _ArgumentKinds
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **keywords):
         device = torch.cuda.current_device()
-        # Tensors by dtype and alignment, ints that the kernel specialises by value (finer than
-        # Triton's 1 / multiple-of-16 facts), other ints by range; inline, as this runs per launch.
-        key = (device, *keywords.values(), *[
-            (x.dtype, x.data_ptr() % 16 == 0) if type(x) is torch.Tensor
-            else (x if specialized else x in _INT32) if type(x) is int else _other_key(x, specialized)
-            for x, specialized in zip(args, self.specialized)])
+        types = tuple(map(type, args))
+        kinds = self.kinds.get(types)
+        if kinds is None:
+            kinds = self.kinds[types] = _ArgumentKinds(types, self.specialized)
+        tensors = kinds.tensors(args)
+        key = (device, types, *keywords.values(), *kinds.by_value(args), *[x.dtype for x in tensors],
+               *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(args)])
         entry = self.compiled.get(key)
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             compiled = self.kernel[grid](*args, **keywords)
@@ -87,6 +83,31 @@ class DirectKernel:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         compiled.run(*grid, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
                      None, None, None, *args, *constexprs)
+
+
+class _ArgumentKinds:
+    """For one tuple of argument types: getters of the tensors (keyed by dtype and alignment), of
+    the ints the kernel specialises and the arguments of other types (keyed by value: finer than
+    Triton's facts about them), and of the ints it does not (keyed by range)."""
+
+    def __init__(self, types: tuple, specialized: list):
+        def positions(wanted):
+            return [i for i, (kind, special) in enumerate(zip(types, specialized)) if wanted(kind, special)]
+
+        tensors = positions(lambda kind, special: issubclass(kind, torch.Tensor))
+        by_range = positions(lambda kind, special: issubclass(kind, int) and kind is not bool and not special)
+        by_value = sorted(set(range(len(types))) - set(tensors) - set(by_range))
+        self.tensors, self.by_value, self.by_range = (_getter(p) for p in (tensors, by_value, by_range))
+
+
+def _getter(positions: list):
+    """args -> the tuple of args at ``positions`` (operator.itemgetter, which returns a bare item
+    for one position)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        return lambda args: (args[positions[0]],)
+    return operator.itemgetter(*positions)
 
 
 @functools.lru_cache(maxsize=None)

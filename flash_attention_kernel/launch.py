@@ -3,7 +3,7 @@
 import functools
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -106,12 +106,21 @@ def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: Attenti
 _FITTED: dict = {}
 
 
-def fixed_launch_plan(kernel: str, config: TileConfig, head_dim: int, dtype: torch.dtype, options: AttentionOptions,
+def fixed_launch_plan(kernel: str, config: TileConfig, head_dim: int, dtype: torch.dtype, variant: int,
                       device: torch.device) -> LaunchPlan:
     """The LaunchPlan of a kernel outside the config table, whose launcher chose ``config``
-    itself (the probabilities kernel), so that launch_fitting steps it down where it does not fit."""
-    fit_key = (device, kernel, int(head_dim), dtype, options.variant, config, False)
-    return LaunchPlan(kernel, _FITTED.get(fit_key, config) if _FITTED else config, False, False, fit_key)
+    itself (the probabilities and KV-cache kernels), for options of constexpr ``variant``, so that
+    launch_fitting steps it down where it does not fit."""
+    return refitted(LaunchPlan(kernel, config, False, False, (device, kernel, int(head_dim), dtype, variant, config,
+                                                               False)))
+
+
+def refitted(plan: LaunchPlan) -> LaunchPlan:
+    """``plan`` with the config an earlier launch of its key fell back to, if one did (a launcher
+    may keep a plan across calls)."""
+    if _FITTED and plan.fit_key in _FITTED:
+        return replace(plan, config=_FITTED[plan.fit_key])
+    return plan
 
 
 def launch_fitting(plan: LaunchPlan, launch: Callable[[TileConfig, bool], None]) -> None:

@@ -98,5 +98,5 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
             PRECISION=precision_mode(q.dtype, interpreted), **config.launch_args(),
         )
 
-    launch_fitting(fixed_launch_plan("probs", config, head_dim, q.dtype, options, q.device), launch)
+    launch_fitting(fixed_launch_plan("probs", config, head_dim, q.dtype, options.variant, q.device), launch)
     return probs

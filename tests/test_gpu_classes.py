@@ -127,7 +127,7 @@ def test_fixed_config_steps_down_and_remembers(fa, launch, configs, monkeypatch)
     options = fa.flash_attention_kernel.AttentionOptions(0.125, False, dropout_p=0.1)
     chosen = configs.TileConfig(32, 32, 4, 1)
     device = torch.device("cpu")
-    plan = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options, device)
+    plan = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options.variant, device)
     assert plan.config == chosen and not plan.specialized and not plan.tma
 
     def fits_16_rows(config, specialized):
@@ -136,7 +136,7 @@ def test_fixed_config_steps_down_and_remembers(fa, launch, configs, monkeypatch)
 
     with pytest.warns(RuntimeWarning, match="probs kernel"):
         launch.launch_fitting(plan, fits_16_rows)
-    again = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options, device)
+    again = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options.variant, device)
     assert again.config == configs.TileConfig(16, 32, 4, 2)
 
 
