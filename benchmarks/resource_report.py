@@ -19,7 +19,7 @@ would build it: tensor descriptors only from sm_90, warp specialisation only on 
 
 Usage: python benchmarks/resource_report.py [--arch 90] [--variant causal,softcap,...] [--ptx DIR]
            fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
-       (kernel in fwd, dkdv, dq; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
+       (kernel in fwd, dkdv, dq, decode; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
        with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
        loop, which reads through descriptors too; --arch: compute capability as one number (75, 80,
        86, 89, 90, 100, 120); --variant: the options compiled in, any of causal, window, softcap,
@@ -46,11 +46,14 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_attention_kernel import backward, configs, forward, options  # noqa: E402
+from flash_attention_kernel import backward, configs, decode, forward, options  # noqa: E402
 
-KERNELS = {"fwd": forward._attn_fwd_kernel, "dkdv": backward._attn_bwd_dkdv_kernel, "dq": backward._attn_bwd_dq_kernel}
+KERNELS = {"fwd": forward._attn_fwd_kernel, "dkdv": backward._attn_bwd_dkdv_kernel, "dq": backward._attn_bwd_dq_kernel,
+           "decode": decode._decode_kernel}
+INT32_POINTERS = ("CacheSeqlens", "CacheBatchIdx", "CacheLeftpad", "BlockTable")
 STATS = ("Lse", "Delta", "DLse", "AlibiSlopes", "Sinks")
-SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_alibi_b")  # (no divisibility hint)
+SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_alibi_b", "cache_seqlen", "capacity",
+                  "num_splits", "cache_entries")  # (no divisibility hint)
 FLOAT_ARGS = ("softmax_scale", "score_scale", "softcap_log2", "dropout_scale")
 VARIANT_BITS = {"window": options.MASK_LEFT | options.MASK_RIGHT, "causal": options.MASK_RIGHT,
                 "softcap": options.SOFTCAP, "alibi": options.ALIBI, "sinks": options.SINKS, "dropout": options.DROPOUT,
@@ -62,7 +65,7 @@ def _signature(kernel, dtype, constexprs):
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name.startswith("CuSeqlens"):
+        elif name.startswith("CuSeqlens") or name in INT32_POINTERS:
             signature[name] = "*i32"
         elif name == "RngState":
             signature[name] = "*i64"
@@ -100,7 +103,12 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
                       BLOCK_M=block_m, BLOCK_N=block_n, VARIANT=variant, IS_VARLEN=False,
                       PRECISION="ieee" if dtype == "fp32" else "tf32", USE_TMA=tma or specialized,
                       WARP_SPECIALIZE=specialized, CuSeqlensQ=None, CuSeqlensK=None, BlockTable=None, PAGE_SIZE=0,
-                      COMPUTE_DELTA=not specialized, HAS_DLSE=False)  # (as dense launches set them)
+                      COMPUTE_DELTA=not specialized, HAS_DLSE=False,  # (as dense launches set them)
+                      # the KV-cache kernel with every option: per-sequence lengths, leftpad, new rows
+                      # rotated, split; HEAD_DIM rows of GROUP_SIZE 4 (as decode.attention_with_kvcache)
+                      HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), SEQLENS_PER_BATCH=True,
+                      HAS_BATCH_IDX=True, HAS_LEFTPAD=True, HAS_NEW=True, ROTARY_DIM=head_dim - head_dim % 2,
+                      INTERLEAVED=False, ROTATE_BY_ROW=True, SPLIT=True)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = _signature(kernel, dtype, constexprs)
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -145,6 +153,8 @@ class TableEntry:
     @property
     def variant(self) -> int:
         tanh = options.TANH_APPROX if self.dtype != "fp32" else 0
+        if self.kernel == "decode":  # (no dropout in inference)
+            return FULL_VARIANT & ~options.DROPOUT | tanh
         return (_OPTIONS if self.specialized else FULL_VARIANT) | tanh
 
     def compile(self) -> dict:
@@ -161,7 +171,8 @@ class TableEntry:
 
 def table_entries(gpu: configs.GpuClass) -> list:
     """The distinct compilations of ``gpu``'s table: each (architecture, kernel, dtype, config,
-    warp-specialised?) once, at the widest width that takes it."""
+    warp-specialised?) once, at the widest width that takes it; with the KV-cache kernel's configs
+    (configs.decode_config, for blocks of 1 to 64 rows)."""
     widest = {}
     two_byte = "bf16" if min(gpu.capabilities) >= (8, 0) else "fp16"
     dtypes = ((two_byte, torch.float16), ("fp32", torch.float32))
@@ -182,8 +193,25 @@ def table_entries(gpu: configs.GpuClass) -> list:
         for config, is_specialized in found:
             key = (arch, short_name, dtype, config, is_specialized)
             widest[key] = max(widest.get(key, 0), width)
-    return [TableEntry(gpu.name, arch, kernel, dtype, width, config, specialized)
-            for (arch, kernel, dtype, config, specialized), width in widest.items()]
+    entries = [TableEntry(gpu.name, arch, kernel, dtype, width, config, specialized)
+               for (arch, kernel, dtype, config, specialized), width in widest.items()]
+    return entries + decode_entries(gpu, dtypes)
+
+
+def decode_entries(gpu: configs.GpuClass, dtypes) -> list:
+    """The KV-cache kernel's configs (configs.decode_config, a formula of the class's limit rather
+    than a table): for each dtype and block of rows (16 and 64), the width whose config the
+    formula expects to come closest to the limit, compiled for the class's first architecture."""
+    major, minor = min(gpu.capabilities)
+    closest = {}
+    for (dtype, torch_dtype), width, rows in itertools.product(dtypes, WIDTHS, (16, 64)):
+        config = configs.decode_config(rows, width, torch_dtype, False, gpu)
+        element = 4 if dtype == "fp32" else 2
+        expected = (config.block_m + 2 * config.block_n * config.num_stages) * width * element
+        if expected > closest.get((dtype, rows), (0,))[0]:
+            closest[(dtype, rows)] = (expected, width, config)
+    return [TableEntry(gpu.name, 10 * major + minor, "decode", dtype, width, config, False)
+            for (dtype, rows), (_, width, config) in closest.items()]
 
 
 def _check(entry):

@@ -441,7 +441,11 @@ def decode_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: boo
         return TileConfig(block_m, 32, 4, 1)
     width = sum(head_dim_chunks(head_dim))
     element = 4 if dtype == torch.float32 else 2
-    block_n = 128 if width * element <= 256 else 64
-    stage_bytes = 2 * block_n * width * element  # one K and one V tile
     free = gpu.shared_memory - block_m * width * element - 8192  # q, and room for layout conversions
-    return TileConfig(block_m, block_n, 4, max(1, min(3, free // stage_bytes)))
+    for block_n in (128, 64, 32, 16):  # the longest tile (at most 32 KB) of which two stages fit
+        if block_n * width * element > 32768:
+            continue
+        stages = min(3, free // (2 * block_n * width * element))  # a stage: one K and one V tile
+        if stages >= 2:
+            break
+    return TileConfig(block_m, block_n, 4, max(1, stages))

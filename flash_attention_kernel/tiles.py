@@ -199,8 +199,17 @@ def load_kv_tile(source, base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS: 
     """``load_tile_from`` for key/value tiles, which may live in a paged cache: with PAGE_SIZE > 0,
     ``source`` is (this sequence's block-table row, the cache's page stride, its page count) and row r of the
     sequence is row r % PAGE_SIZE of page table[r // PAGE_SIZE] (``base_ptr`` points at page 0,
-    this head); rows past num_rows read as zeros, their table entries unread."""
-    if PAGE_SIZE > 0:
+    this head); rows past num_rows read as zeros, their table entries unread. A tile inside one
+    page (PAGE_SIZE a multiple of BLOCK_ROWS; tiles start at multiples of BLOCK_ROWS) reads one
+    table entry and then loads like a contiguous tile; smaller pages are gathered row by row."""
+    if PAGE_SIZE > 0 and PAGE_SIZE % BLOCK_ROWS == 0:  # the tile lies in one page: one entry, plain rows
+        table_row, stride_page, num_pages = source
+        page = tl.load(table_row + start_row // PAGE_SIZE)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        page_first = start_row - start_row % PAGE_SIZE
+        return load_tile(base_ptr + page.to(tl.int64) * stride_page, start_row % PAGE_SIZE, stride_row,
+                         num_rows - page_first, BLOCK_ROWS, HEAD_DIM, DIM_A, DIM_B, CHECK_ROWS)
+    elif PAGE_SIZE > 0:
         table_row, stride_page, num_pages = source
         rows = start_row + tl.arange(0, BLOCK_ROWS)
         inside = rows < num_rows
