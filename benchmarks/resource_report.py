@@ -200,14 +200,17 @@ def table_entries(gpu: configs.GpuClass) -> list:
 
 def decode_entries(gpu: configs.GpuClass, dtypes) -> list:
     """The KV-cache kernel's configs (configs.decode_config, a formula of the class's limit rather
-    than a table): for each dtype and block of rows (16 and 64), the width whose config the
-    formula expects to come closest to the limit, compiled for the class's first architecture."""
+    than a table): for each dtype and number of rows, the width whose config the
+    formula expects to come closest to the limit, compiled for the class's first architecture
+    (blocks of 16, 64 and 128 rows: decode, speculative decoding, chunked prefill)."""
     major, minor = min(gpu.capabilities)
     closest = {}
-    for (dtype, torch_dtype), width, rows in itertools.product(dtypes, WIDTHS, (16, 64)):
+    for (dtype, torch_dtype), width, rows in itertools.product(dtypes, WIDTHS, (16, 64, 2048)):
         config = configs.decode_config(rows, width, torch_dtype, False, gpu)
         element = 4 if dtype == "fp32" else 2
-        expected = (config.block_m + 2 * config.block_n * config.num_stages) * width * element
+        expected = ((config.block_m + 2 * config.block_n * config.num_stages) * width
+                    + config.block_m * config.block_n) * element
+        rows = config.block_m  # (one entry per block shape)
         if expected > closest.get((dtype, rows), (0,))[0]:
             closest[(dtype, rows)] = (expected, width, config)
     return [TableEntry(gpu.name, 10 * major + minor, "decode", dtype, width, config, False)

@@ -431,21 +431,31 @@ def smaller_config(config: TileConfig) -> Optional[TileConfig]:
 def decode_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: bool,
                   gpu: GpuClass = GPU_CLASSES[0]) -> TileConfig:
     """Config of the KV-cache kernel (decode.py), whose blocks hold ``rows`` (query, head) pairs
-    per KV head: the fewest rows that a tensor-core tile takes (16) up to 64, and long key tiles,
-    as deep a pipeline as the GPU's shared memory holds (decode streams the cache once, so the
-    loads in flight set its speed), at most three stages."""
+    per KV head: blocks of the fewest rows that a tensor-core tile takes (16) up to 128 (chunked
+    prefill; eight warps from 128 rows, four below), and the longest key tile (at most 32 KB, at
+    most 32 scores per thread, which beyond spill registers) of which two stages fit, as deep a
+    pipeline as the GPU's shared memory holds up to three stages (decode streams the cache once,
+    so the loads in flight set its speed). Measured on an H200 (benchmarks/NOTES.md, v16): bf16
+    d128 decode best at 16 x 128 x 4 warps x 3 stages; 512 queries x 32k keys 561 us at
+    128 x 64 x 8 x 3 against 715 us at 64 x 128 x 4 x 3."""
     if "decode" in OVERRIDES:
         return OVERRIDES["decode"][0]
-    block_m = min(max(16, 1 << (max(rows, 1) - 1).bit_length()), 64)
+    block_m = min(max(16, 1 << (max(rows, 1) - 1).bit_length()), 128)
     if interpreted:
-        return TileConfig(block_m, 32, 4, 1)
+        return TileConfig(min(block_m, 64), 32, 4, 1)
     width = sum(head_dim_chunks(head_dim))
     element = 4 if dtype == torch.float32 else 2
-    free = gpu.shared_memory - block_m * width * element - 8192  # q, and room for layout conversions
-    for block_n in (128, 64, 32, 16):  # the longest tile (at most 32 KB) of which two stages fit
-        if block_n * width * element > 32768:
-            continue
-        stages = min(3, free // (2 * block_n * width * element))  # a stage: one K and one V tile
-        if stages >= 2:
-            break
-    return TileConfig(block_m, block_n, 4, max(1, stages))
+    # (without tensor cores, sm_75, the dots stage q and the probabilities through shared memory too)
+    operand_copies = 2 if min(gpu.capabilities) < (8, 0) else 1
+    while True:  # (a GPU too small for a block's tiles takes half the rows)
+        num_warps = 4 if block_m <= 64 else 8
+        for block_n in (128, 64, 32, 16):  # the longest tile of which two stages fit
+            # q, the probabilities' layout conversion and some room, then stages of one K and one V tile
+            free = gpu.shared_memory - operand_copies * (block_m * width + block_m * block_n) * element - 8192
+            stages = min(3, free // (2 * block_n * width * element))
+            # (a score tile of more than 32 values per thread spills registers)
+            if block_n * width * element <= 32768 and block_m * block_n <= 1024 * num_warps and stages >= 2:
+                return TileConfig(block_m, block_n, num_warps, stages)
+        if block_m == 16:
+            return TileConfig(16, 16, 4, 1)
+        block_m //= 2
