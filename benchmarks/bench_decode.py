@@ -70,6 +70,7 @@ Usage: python benchmarks/bench_decode.py [--quick] [--sections decode spec chunk
 """
 
 import argparse
+import contextlib
 import math
 import os
 import secrets
@@ -689,7 +690,7 @@ def host_loop_table(bench):
             k_cache.index_copy_(2, position, k_new_t)
             v_cache.index_copy_(2, position, v_new_t)
             valid = length[0] + 1
-            with sdpa_kernel(backends or list(SDPBackend)):
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q_t, k_cache[:, :, :valid], v_cache[:, :, :valid],
                                                      enable_gqa=True)
             hidden = out.transpose(1, 2).reshape(batch, -1) @ weight
@@ -710,9 +711,15 @@ def host_loop_table(bench):
             graph_step.append(replay_of(ours_step))
         graph_step[0]()
 
+    def reset():  # every loop starts from the same cache length (and stays inside the caches)
+        seqlens.fill_(start)
+        position.fill_(start)
+        length[0] = start
+
     loops = {}
     for name, step in (("flash_attn_with_kvcache", ours_step), ("flash_attn_with_kvcache, CUDA graph", ours_graph_step),
                        ("sdpa + index_copy_", sdpa_step), ("sdpa FLASH + index_copy_", sdpa_flash_step)):
+        reset()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
