@@ -280,16 +280,18 @@ def _merge_kernel(OutSplits, LseSplits, Out, Lse, num_splits,
 MIN_TILES_PER_SPLIT = 4
 
 
-def num_splits_heuristic(programs: int, key_tiles: int, num_sms: int) -> int:
+def num_splits_heuristic(programs: int, key_tiles: int, num_sms: int, per_sm: int = 1) -> int:
     """Splits for a launch of ``programs`` (row block, KV head, batch entry) programs over at most
-    ``key_tiles`` key tiles each: none when they fill at least half of the GPU's ``num_sms``
-    multiprocessors, else as many as make one program per multiprocessor, each keeping at least
-    MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS. Measured on an H200 (benchmarks/NOTES.md,
-    v16): one program per multiprocessor beats two or more, whose shorter splits pay the
-    pipeline's fill and the merge more often."""
-    if 2 * programs > num_sms or key_tiles < 2 * MIN_TILES_PER_SPLIT:
+    ``key_tiles`` key tiles each: none when they fill at least half of ``per_sm`` programs on each
+    of the GPU's ``num_sms`` multiprocessors, else as many as make ``per_sm`` programs per
+    multiprocessor, each keeping at least MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS. Measured
+    on an H200 (benchmarks/NOTES.md, v16): on a contiguous cache one program per multiprocessor
+    beats two or more, whose shorter splits pay the pipeline's fill and the merge more often; on a
+    paged cache two do (Triton pipelines a gathered tile one buffer deep, as its loads wait on the
+    block table, so a second program hides the latency: batch 8 x 32k, page 16, 3.10 -> 4.36 TB/s)."""
+    if 2 * programs > per_sm * num_sms or key_tiles < 2 * MIN_TILES_PER_SPLIT:
         return 1
-    return max(1, min(num_sms // programs, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(per_sm * num_sms // programs, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
 def _pow2(n: int) -> int:
@@ -391,7 +393,8 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
         num_splits = 1
     elif num_splits == 0:
         longest = capacity if cache_seqlens is not None else min(capacity, cache_seqlen + seqlen_new)
-        num_splits = num_splits_heuristic(plan.programs, -(-longest // plan.config.block_n), plan.num_sms)
+        num_splits = num_splits_heuristic(plan.programs, -(-longest // plan.config.block_n), plan.num_sms,
+                                          2 if page_size else 1)
     split = num_splits > 1
     if split:
         out_splits = torch.empty((num_splits, batch, seqlen_q, num_heads, head_dim), dtype=torch.float32,
