@@ -277,7 +277,7 @@ def _merge_kernel(OutSplits, LseSplits, Out, Lse, num_splits,
     tl.store(Lse + batch * stride_lse_b + head * stride_lse_h + query + tl.arange(0, 1), lse)
 
 
-MIN_TILES_PER_SPLIT = 4
+MIN_TILES_PER_SPLIT = 1
 
 
 def num_splits_heuristic(programs: int, key_tiles: int, num_sms: int, per_sm: int = 1) -> int:
@@ -286,7 +286,8 @@ def num_splits_heuristic(programs: int, key_tiles: int, num_sms: int, per_sm: in
     of the GPU's ``num_sms`` multiprocessors, else as many as make ``per_sm`` programs per
     multiprocessor, each keeping at least MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS. Measured
     on an H200 (benchmarks/NOTES.md, v16): on a contiguous cache one program per multiprocessor
-    beats two or more, whose shorter splits pay the pipeline's fill and the merge more often; on a
+    beats two or more, whose shorter splits pay the pipeline's fill and the merge more often, down
+    to splits of a single tile (batch 1, 1k keys: 8 splits 12.2 us, 2 splits 14.4 us); on a
     paged cache two do (Triton pipelines a gathered tile one buffer deep, as its loads wait on the
     block table, so a second program hides the latency: batch 8 x 32k, page 16, 3.10 -> 4.36 TB/s)."""
     if 2 * programs > per_sm * num_sms or key_tiles < 2 * MIN_TILES_PER_SPLIT:
