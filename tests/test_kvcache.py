@@ -701,3 +701,18 @@ def test_opcheck_and_compile(fa):
     _assert_bitwise_equal("compiled output", got, want)
     for name, got_cache, want_cache in zip(("k_cache", "v_cache"), caches_compiled, caches_eager):
         _assert_bitwise_equal(f"compiled {name}", got_cache, want_cache)
+
+
+def test_num_splits_heuristic(fa):
+    """The documented rule: no split once the programs fill half the SMs (with two programs per
+    SM on a paged cache), else enough splits for one program per SM (two when paged), a split
+    being at least one key tile, at most MAX_SPLITS."""
+    decode = fa.flash_attention_kernel.decode
+    rule = decode.num_splits_heuristic
+    assert rule(8, 128, 132) == 16  # batch 1 x 8 KV heads, 16k keys: one program per SM
+    assert rule(8, 128, 132, per_sm=2) == 33  # paged: two per SM
+    assert rule(64, 256, 132) == 2 and rule(64, 256, 132, per_sm=2) == 4
+    assert rule(67, 256, 132) == 1 and rule(512, 4096, 132, per_sm=2) == 1  # programs fill the GPU
+    assert rule(8, 4, 132) == 4  # a split holds at least one key tile
+    assert rule(8, 1, 132) == 1
+    assert rule(1, 10 ** 6, 1000) == decode.MAX_SPLITS
