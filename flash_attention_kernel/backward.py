@@ -44,8 +44,8 @@ from .scores import (
     logits_grad, query_tile_ranges, query_tile_start,
 )
 from .tiles import (
-    load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
-    slice_descriptors, store_tile, tile_base, tile_descriptors,
+    kv_sources, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
+    store_tile, tile_base, tile_descriptors,
 )
 
 
@@ -279,13 +279,9 @@ def _attn_bwd_dq_kernel(
                                  start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, HAS_DLSE)
     else:
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
-    k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
-    v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
-    num_kv_heads = tl.num_programs(1) // GROUP_SIZE
-    k_descs = slice_descriptors(K, k_base, batch, kv_head, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn,
-                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
-    v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
-                                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
+    k_base, v_base, k_descs, v_descs = kv_sources(
+        K, V, batch, kv_head, k_first, tl.num_programs(1) // GROUP_SIZE, seqlen_k, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, K, 0, 0, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE, 0)
     lo, full_lo, full_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
 
     dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)

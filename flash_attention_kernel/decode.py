@@ -52,7 +52,7 @@ from .launch import (
 from .options import AttentionOptions
 from .rotary import load_rotated_rows
 from .scores import ALIBI, MASK_LEFT, SINKS, head_options, row_start, rows_key_tile_ranges
-from .tiles import store_rows
+from .tiles import kv_sources, store_rows
 
 LN2 = tl.constexpr(0.6931471805599453)
 NEW_ROWS_BLOCK = tl.constexpr(16)  # new key/value rows written per step
@@ -168,17 +168,11 @@ def _decode_kernel(
     else:
         q_b = tl.zeros([BLOCK_M, 16], dtype=q_a.dtype)
 
-    if PAGE_SIZE > 0:  # rows found through the block table (tiles.load_kv_tile)
-        k_base = K + kv_head.to(tl.int64) * stride_kh
-        v_base = V + kv_head.to(tl.int64) * stride_vh
-        table_row = BlockTable + batch.to(tl.int64) * stride_table
-        k_source = (table_row, stride_kb, cache_entries)
-        v_source = (table_row, stride_vb, cache_entries)
-    else:
-        k_base = K + cache_row.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + key_start * stride_kn
-        v_base = V + cache_row.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + key_start * stride_vn
-        k_source = k_base
-        v_source = v_base
+    # (with a block table cache_row is the batch entry: cache_batch_idx is refused there)
+    k_base, v_base, k_source, v_source = kv_sources(
+        K, V, cache_row, kv_head, key_start, tl.num_programs(1), seqlen_k, stride_kb, stride_kh, stride_kn, stride_vb,
+        stride_vh, stride_vn, BlockTable, stride_table, cache_entries, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, False,
+        PAGE_SIZE)
 
     # This split's share of the visible key tiles, in three ranges: masked left edge, full, masked right edge
     window = (window_left, window_right)

@@ -43,8 +43,8 @@ from .options import AttentionOptions
 from .scores import (
     DROPOUT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start, row_start,
 )
-from .tiles import load_kv_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span, \
-    slice_descriptors, store_tile, tile_base
+from .tiles import kv_sources, load_kv_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, \
+    sequence_span, slice_descriptors, store_tile, tile_base
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -130,20 +130,10 @@ def _attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_descs = slice_descriptors(Q, q_base, batch, head, tl.num_programs(1), seqlen_q, stride_qb, stride_qh, stride_qm,
                                 BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
-    if PAGE_SIZE > 0:  # the sequence's rows are found through its block-table row (tiles.load_kv_tile)
-        k_base = K + kv_head.to(tl.int64) * stride_kh  # (page 0: the table gives each row's page)
-        v_base = V + kv_head.to(tl.int64) * stride_vh
-        table_row = BlockTable + batch.to(tl.int64) * stride_table
-        k_descs = (table_row, stride_kb, num_pages)
-        v_descs = (table_row, stride_vb, num_pages)
-    else:
-        k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
-        v_base = tile_base(V, batch, kv_head, k_first, stride_vb, stride_vh, stride_vn)
-        num_kv_heads = tl.num_programs(1) // GROUP_SIZE
-        k_descs = slice_descriptors(K, k_base, batch, kv_head, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn,
-                                    BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
-        v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
-                                    BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE)
+    k_base, v_base, k_descs, v_descs = kv_sources(
+        K, V, batch, kv_head, k_first, tl.num_programs(1) // GROUP_SIZE, seqlen_k, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, BlockTable, stride_table, num_pages, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA,
+        WARP_SPECIALIZE, PAGE_SIZE)
     q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True,
                               USE_TMA)
 

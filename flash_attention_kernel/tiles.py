@@ -193,6 +193,31 @@ def load_tile_from(
 
 
 @triton.jit
+def kv_sources(K, V, batch, kv_head, first_row, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn, stride_vb,
+               stride_vh, stride_vn, BlockTable, stride_table, num_pages, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr, USE_TMA: tl.constexpr,
+               WHOLE_TENSOR: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(k_base, v_base, k_source, v_source): what ``load_kv_tile`` reads one (sequence, KV head)'s
+    key and value tiles through. Contiguous: the slice starting at row ``first_row`` of entry
+    ``batch`` and its descriptors (``slice_descriptors``). Paged (PAGE_SIZE > 0): the caches' page
+    0 of this head, and (row ``batch`` of BlockTable, page stride, page count); the table gives
+    each row's page."""
+    if PAGE_SIZE > 0:
+        k_base = K + kv_head.to(tl.int64) * stride_kh
+        v_base = V + kv_head.to(tl.int64) * stride_vh
+        table_row = BlockTable + batch.to(tl.int64) * stride_table
+        return k_base, v_base, (table_row, stride_kb, num_pages), (table_row, stride_vb, num_pages)
+    else:
+        k_base = tile_base(K, batch, kv_head, first_row, stride_kb, stride_kh, stride_kn)
+        v_base = tile_base(V, batch, kv_head, first_row, stride_vb, stride_vh, stride_vn)
+        k_descs = slice_descriptors(K, k_base, batch, kv_head, num_kv_heads, seqlen_k, stride_kb, stride_kh, stride_kn,
+                                    BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WHOLE_TENSOR)
+        v_descs = slice_descriptors(V, v_base, batch, kv_head, num_kv_heads, seqlen_k, stride_vb, stride_vh, stride_vn,
+                                    BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WHOLE_TENSOR)
+        return k_base, v_base, k_descs, v_descs
+
+
+@triton.jit
 def load_kv_tile(source, base_ptr, start_row, stride_row, num_rows, BLOCK_ROWS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr, CHECK_ROWS: tl.constexpr,
                  USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr):
