@@ -235,36 +235,49 @@ def check_paged_kv(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
     (gradients, dropout); returns the max_seqlens. The table's entries are read (a device-to-host
     copy) only with FLASH_ATTENTION_CHECK_INPUTS=1; the kernel clamps them into the cache."""
     check_qkv(q, k_cache, v_cache, "(total_tokens, nheads, headdim)", heads_axis=1, dense=False, kv_layout=PAGED)
-    num_blocks, page_size = k_cache.shape[:2]
-    if page_size == 0 or page_size % 16 != 0 or num_blocks == 0:
-        raise ValueError(f"k and v must be paged caches {PAGED} with a page size that is a positive multiple of 16, "
-                         f"got shape {tuple(k_cache.shape)}")
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise ValueError("block_table must be an int32 tensor of shape (batch, max_num_blocks_per_seq)")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
     max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k_cache,
                                               paged=True)
-    batch = cu_seqlens_q.numel() - 1
-    if block_table.shape[0] != batch:
-        raise ValueError(f"block_table must have one row per sequence ({batch}), got shape {tuple(block_table.shape)}")
+    page_size = check_block_table(block_table, k_cache, cu_seqlens_q.numel() - 1, q, "k and v")
     if max_seqlen_k > block_table.shape[1] * page_size:
         raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is longer than block_table's {block_table.shape[1]} pages of "
                          f"{page_size} keys hold")
-    if block_table.stride(-1) != 1:
-        raise ValueError("block_table must have a contiguous last dim")
     if dropout_p != 0:
         raise ValueError("block_table (a paged KV cache) serves inference: dropout_p must be 0")
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k_cache, v_cache)):
         raise ValueError("block_table (a paged KV cache) serves inference: no gradients; call under torch.no_grad() "
                          "or pass tensors that do not require grad")
     if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
-        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-        for b, (row, length) in enumerate(zip(block_table.tolist(), lengths)):
-            used = row[:-(-length // page_size)]
-            if any(not 0 <= page < num_blocks for page in used):
-                raise ValueError(f"block_table row {b} lists pages outside the cache's {num_blocks}: {used}")
+        check_table_entries(block_table, (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist(), k_cache)
     return max_seqlen_q, max_seqlen_k
+
+
+def check_block_table(block_table, k_cache, batch: int, q, cache_names: str) -> int:
+    """Paged caches ``k_cache``-like (num_blocks, page_size, ...) listed by ``block_table``: a page
+    size that is a positive multiple of 16, an int32 table (batch, max_num_blocks_per_seq) with a
+    contiguous last dim on q's device; returns the page size."""
+    num_blocks, page_size = k_cache.shape[:2]
+    if page_size == 0 or page_size % 16 != 0 or num_blocks == 0:
+        raise ValueError(f"{cache_names} must be paged caches {PAGED} with a page size that is a positive multiple of "
+                         f"16, got shape {tuple(k_cache.shape)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError("block_table must be an int32 tensor of shape (batch, max_num_blocks_per_seq)")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have one row per sequence ({batch}), got shape {tuple(block_table.shape)}")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must have a contiguous last dim")
+    return page_size
+
+
+def check_table_entries(block_table, lengths, k_cache) -> None:
+    """FLASH_ATTENTION_CHECK_INPUTS=1: the pages each sequence of ``lengths`` keys uses lie in the
+    cache (a device-to-host copy; without it the kernels clamp entries into the cache)."""
+    num_blocks, page_size = k_cache.shape[:2]
+    for b, (row, length) in enumerate(zip(block_table.tolist(), lengths)):
+        used = row[:-(-length // page_size)]
+        if any(not 0 <= page < num_blocks for page in used):
+            raise ValueError(f"block_table row {b} lists pages outside the cache's {num_blocks}: {used}")
 
 
 def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: bool):

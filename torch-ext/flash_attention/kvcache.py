@@ -27,12 +27,13 @@ from typing import Optional, Union
 
 import torch
 
-from .checks import DEBUG_CHECKS_ENV, attention_options, check_qkv, check_tensor
+from .checks import (
+    DEBUG_CHECKS_ENV, PAGED, attention_options, check_block_table, check_qkv, check_table_entries, check_tensor,
+)
 from .flash_attention_kernel.decode import MAX_SPLITS
 from .torch_ops import run_kvcache
 
 CACHE = "(batch_cache, seqlen_cache, nheads_k, headdim)"
-PAGED = "(num_blocks, page_size, nheads_k, headdim)"
 NEW = "(batch, seqlen_new, nheads_k, headdim)"
 
 
@@ -130,18 +131,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
               kv_layout=PAGED if paged else CACHE, kv_names=("k_cache", "v_cache"))
     batch = q.shape[0]
     if paged:
-        num_blocks, page_size = k_cache.shape[:2]
-        if page_size == 0 or page_size % 16 != 0 or num_blocks == 0:
-            raise ValueError(f"k_cache and v_cache must be paged caches {PAGED} with a page size that is a positive "
-                             f"multiple of 16, got shape {tuple(k_cache.shape)}")
-        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
-                or block_table.shape[0] != batch or block_table.stride(-1) != 1):
-            raise ValueError(f"block_table must be an int32 tensor (batch, max_num_blocks_per_seq) = ({batch}, ...) "
-                             f"with a contiguous last dim, got "
-                             f"{block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table)} "
-                             f"{tuple(getattr(block_table, 'shape', ()))}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
+        page_size = check_block_table(block_table, k_cache, batch, q, "k_cache and v_cache")
         for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if x is not None:
                 raise ValueError(f"{name} is not supported with block_table (paged KV cache), as in flash-attn: "
@@ -220,9 +210,5 @@ def _check_values(k_cache, cache_seqlens, cache_batch_idx, block_table, seqlen_n
     if cache_batch_idx is not None and any(not 0 <= row < entries for row in cache_batch_idx.tolist()):
         raise ValueError(f"cache_batch_idx lists rows outside the cache's {entries}: {cache_batch_idx.tolist()}")
     if block_table is not None:
-        page_size = k_cache.shape[1]
-        lengths = lengths if cache_seqlens is not None else [capacity] * block_table.shape[0]
-        for b, (row, length) in enumerate(zip(block_table.tolist(), lengths)):
-            used = row[:-(-length // page_size)]
-            if any(not 0 <= page < entries for page in used):
-                raise ValueError(f"block_table row {b} lists pages outside the cache's {entries}: {used}")
+        check_table_entries(block_table, lengths if cache_seqlens is not None else [capacity] * block_table.shape[0],
+                            k_cache)
