@@ -57,7 +57,7 @@ SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_al
 FLOAT_ARGS = ("softmax_scale", "score_scale", "softcap_log2", "dropout_scale")
 VARIANT_BITS = {"window": options.MASK_LEFT | options.MASK_RIGHT, "causal": options.MASK_RIGHT,
                 "softcap": options.SOFTCAP, "alibi": options.ALIBI, "sinks": options.SINKS, "dropout": options.DROPOUT,
-                "tanh_approx": options.TANH_APPROX}
+                "tanh_approx": options.TANH_APPROX, "fixed_pivot": options.FIXED_PIVOT}
 
 
 def _signature(kernel, dtype, constexprs):

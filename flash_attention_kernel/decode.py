@@ -199,7 +199,7 @@ def _decode_kernel(
     diag = seqlen_k - seqlen_q
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
-    row_max, row_sum = row_start(sink_log2, BLOCK_M, VARIANT)
+    row_max, row_sum = row_start(sink_log2, score, BLOCK_M, VARIANT)
     if SINKS & VARIANT:  # the sink belongs to split 0 alone
         row_max = tl.where(split == 0, row_max, float("-inf"))
         row_sum = tl.where(split == 0, row_sum, 0.0)

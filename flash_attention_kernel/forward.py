@@ -11,14 +11,15 @@ matching KV head in BLOCK_N tiles, never materialising the (seqlen_q, seqlen_k) 
     O    = acc / l,        lse = (m + log2(l)) * ln(2)   natural-log logsumexp, as flash-attn returns
 
 S comes from ``scores.logits``, which applies the options (softcap, ALiBi, the window and causal
-masks); with attention sinks the running max and sum start from the sink's logit instead of
-(-inf, 0), and with dropout P is masked after it enters the row sum, the 1 / (1 - p) scale joining
-the final 1 / l. Key tiles come in the three ranges of ``scores.key_tile_ranges``: tiles crossing
-the window's left edge (masked), tiles every row of the block sees in full (no mask), and tiles
-crossing the causal diagonal, the window's right edge or the ragged sequence end (masked); tiles
-outside the band are never visited. A window's kernel runs its full tiles first and then both
-masked ranges in one loop, which saves a pipeline fill and drain per program; other kernels run
-the full range, then the masked one.
+masks). A softcap bounds S, so there (scores.FIXED_PIVOT) m is a constant and alpha is 1: no row
+max, no rescaling. With attention sinks the running max and sum start from the sink's logit instead
+of (-inf, 0), and with dropout P is masked after it enters the row sum, the 1 / (1 - p) scale
+joining the final 1 / l. Key tiles come in the three ranges of ``scores.key_tile_ranges``: tiles
+crossing the window's left edge (masked), tiles every row of the block sees in full (no mask), and
+tiles crossing the causal diagonal, the window's right edge or the ragged sequence end (masked);
+tiles outside the band are never visited. A window's kernel runs its full tiles first and then both
+masked ranges in one loop, which saves a pipeline fill and drain per program; other kernels run the
+full range, then the masked one.
 
 Dense and variable-length batches share the kernel: with IS_VARLEN a program reads its sequence's
 first row and length from cu_seqlens, and programs past the end of a shorter sequence exit at once
@@ -41,7 +42,8 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start, row_start,
+    DROPOUT, FIXED_PIVOT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start,
+    row_start,
 )
 from .tiles import kv_sources, load_kv_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, \
     sequence_span, slice_descriptors, store_tile, tile_base
@@ -72,25 +74,31 @@ def forward_key_loop(
         cols = (start_n + offs_n)[None, :]
         s, _ = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
         unit = logit_unit(score, VARIANT)
-        new_max = tl.maximum(row_max, tl.max(s, 1) * unit)
-        if MASKED:
-            pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+        if FIXED_PIVOT & VARIANT:  # bounded logits: row_max is a constant pivot, nothing to rescale
+            p = tl.exp2(s * unit - row_max[:, None])
+            row_sum = row_sum + tl.sum(p, 1)
         else:
-            pivot = new_max
-        p = tl.exp2(s * unit - pivot[:, None])
-        alpha = tl.exp2(row_max - pivot)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
+            new_max = tl.maximum(row_max, tl.max(s, 1) * unit)
+            if MASKED:
+                pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+            else:
+                pivot = new_max
+            p = tl.exp2(s * unit - pivot[:, None])
+            alpha = tl.exp2(row_max - pivot)
+            row_sum = row_sum * alpha + tl.sum(p, 1)
         if DROPOUT & VARIANT:
             p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), p, 0.0)
         v_a, v_b = load_kv_tile(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                 MASKED, USE_TMA, PAGE_SIZE)
-        acc_a = acc_a * alpha[:, None]
+        if not (FIXED_PIVOT & VARIANT):
+            acc_a = acc_a * alpha[:, None]
+            if DIM_B > 0:
+                acc_b = acc_b * alpha[:, None]
+            row_max = new_max
         if DIM_B > 0:
-            acc_b = acc_b * alpha[:, None]
             acc_a, acc_b = mma_into_head(p, v_a, v_b, acc_a, acc_b, DIM_B, PRECISION)
         else:  # acc_b must not be a loop variable here: warp specialisation fails on one left unchanged
             acc_a = mma(round_to(p, v_a.dtype, PRECISION), v_a, acc_a, PRECISION)
-        row_max = new_max
     return acc_a, acc_b, row_sum, row_max
 
 
@@ -140,7 +148,7 @@ def _attn_fwd_kernel(
     lo, full_lo, full_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
-    row_max, row_sum = row_start(sink_log2, BLOCK_M, VARIANT)
+    row_max, row_sum = row_start(sink_log2, score, BLOCK_M, VARIANT)
     acc_a, acc_b, row_sum, row_max = forward_key_loop(
         acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, full_lo, full_hi, (0, 0), seqlen_k, diag, window, score, dropout,

@@ -15,7 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import (MIN_CAPABILITY, GpuClass, TileConfig, gpu_class, head_dim_chunks, smaller_config, tile_config,
                       warp_specialized_config)
-from .options import ALIBI, SINKS, SOFTCAP, TANH_APPROX, AttentionOptions
+from .options import ALIBI, FIXED_PIVOT, LOG2E, SINKS, SOFTCAP, TANH_APPROX, AttentionOptions
 
 
 def identity_wrap(kernel):
@@ -255,14 +255,27 @@ def ensure_scratch_allocator() -> None:
         triton.set_allocator(_torch_scratch)
 
 
+# FIXED_PIVOT's bound on softcap * log2(e): logits in [-u, u] less the pivot max(u - 32, 0) stay
+# at or above 2^-120 in the exp2, inside fp32's and bf16's normal range (scores.row_start)
+FIXED_PIVOT_MAX_LOG2 = 76.0
+
+
 def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: bool) -> int:
-    """The VARIANT constexpr of a launch: the options' bits, plus TANH_APPROX where a softcap on
-    2-byte inputs runs compiled (the GPU's tanh.approx.f32 costs one special-function op where the
-    exact form costs three; its 2^-11 relative error sits below fp16/bf16 rounding). fp32 inputs
-    and the interpreter keep the exact form."""
+    """The VARIANT constexpr of a launch: the options' bits, plus what a softcap's dtype and value
+    allow (scores.py):
+
+    * TANH_APPROX where a softcap on 2-byte inputs runs compiled (the GPU's tanh.approx.f32 costs
+      one special-function op where the exact form costs three; its 2^-11 relative error sits
+      below fp16/bf16 rounding). fp32 inputs and the interpreter keep the exact form.
+    * FIXED_PIVOT where every logit is bounded (no ALiBi or sinks), P is not fp16 and the softcap
+      is at most FIXED_PIVOT_MAX_LOG2 / log2(e) (about 52.7; Gemma 2 uses 50)."""
     variant = options.variant
-    if options.softcap > 0 and dtype != torch.float32 and not interpreted:
-        variant |= TANH_APPROX
+    if options.softcap > 0:
+        if dtype != torch.float32 and not interpreted:
+            variant |= TANH_APPROX
+        bounded = not variant & (ALIBI | SINKS) and options.softcap * LOG2E <= FIXED_PIVOT_MAX_LOG2
+        if bounded and dtype != torch.float16:
+            variant |= FIXED_PIVOT
     return variant
 
 

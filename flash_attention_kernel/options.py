@@ -38,7 +38,7 @@ LOG2E = math.log2(math.e)
 MAX_WINDOW = 2 ** 30
 
 # VARIANT bits (scores.py holds the same values as constexprs)
-MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX = 1, 2, 4, 8, 16, 32, 64
+MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX, FIXED_PIVOT = 1, 2, 4, 8, 16, 32, 64, 128
 
 
 @dataclass(frozen=True)

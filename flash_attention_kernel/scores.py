@@ -15,6 +15,10 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
 * DROPOUT: a keep mask drawn from Philox, keyed by a seed, an offset and the pair's (batch, head,
   query, key) index, so that every kernel regenerates the same mask whatever its tiling.
 * TANH_APPROX: the softcap's tanh through the GPU's approximate instruction (2-byte inputs).
+* FIXED_PIVOT: a softcap bounds every logit to [-softcap, softcap], so the forward subtracts a
+  constant (``row_start``) instead of the running row max: no max, no rescaling of the
+  accumulator. The launcher sets it where the bound keeps every exp2 in fp32's and bf16's normal
+  range (no ALiBi or sinks, which are unbounded; no fp16 P).
 
 Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2, and in units of
 ``logit_unit`` (the softcap's scale where the tanh is returned unscaled, else 1).
@@ -36,6 +40,8 @@ ALIBI = tl.constexpr(8)
 SINKS = tl.constexpr(16)
 DROPOUT = tl.constexpr(32)
 TANH_APPROX = tl.constexpr(64)  # the softcap's tanh through the GPU's tanh.approx.f32 (launch.kernel_variant)
+FIXED_PIVOT = tl.constexpr(128)  # (and its headroom) launch.kernel_variant
+PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2^32
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -186,10 +192,15 @@ def logits_grad(x, capped, VARIANT: tl.constexpr):
 
 
 @triton.jit
-def row_start(sink_log2, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
+def row_start(sink_log2, score, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
     """Initial (running max, running sum) of a block of rows in base 2: (-inf, 0), or with SINKS
-    the sink logit itself, (sink, 1)."""
-    if SINKS & VARIANT:
+    the sink logit itself, (sink, 1). With FIXED_PIVOT the "max" is a constant pivot that the
+    forward never updates: max(u - 32, 0) for logits in [-u, u] (u = softcap * log2(e) <= 76,
+    launch.kernel_variant), so every p = exp2(logit - pivot) lies in [2^-120, 2^32]."""
+    if FIXED_PIVOT & VARIANT:
+        pivot = tl.maximum(score[1] - PIVOT_HEADROOM, 0.0)
+        return tl.full([BLOCK_M], 0.0, tl.float32) + pivot, tl.zeros([BLOCK_M], dtype=tl.float32)
+    elif SINKS & VARIANT:
         return tl.full([BLOCK_M], 0.0, tl.float32) + sink_log2, tl.full([BLOCK_M], 1.0, tl.float32)
     else:
         return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -339,6 +339,25 @@ def test_option_alone(fa, case, matters):
     check_dense(fa, q, k, v, matters=matters, **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("softcap", [52.0, 60.0], ids=["fixed_pivot", "running_max"])
+def test_softcap_saturated_rows(fa, dtype, softcap):
+    """Rows whose every logit sits at +softcap or at -softcap (q = +-u, every key near u, products
+    far past the tanh's bend), causal and not. Up to softcap 52.7 (bf16, fp32) the forward
+    subtracts a fixed pivot instead of the running max (launch.FIXED_PIVOT_MAX_LOG2), and a row
+    at -softcap is where its exp2 comes closest to underflow; above it the running max serves."""
+    torch.manual_seed(0)
+    seqlen, heads, head_dim = 37, 2, 64
+    u = torch.randn(head_dim, device=DEVICE)
+    signs = torch.where(torch.arange(seqlen, device=DEVICE) % 3 == 0, 1.0, -1.0)
+    q = (signs[None, :, None, None] * u * 8.0).expand(1, seqlen, heads, head_dim)
+    q = (q + 0.3 * torch.randn_like(q)).to(dtype)
+    k = (u * 8.0 + 0.3 * torch.randn(1, seqlen, heads, head_dim, device=DEVICE)).to(dtype)
+    v = torch.randn(1, seqlen, heads, head_dim, device=DEVICE, dtype=dtype)
+    for causal in (False, True):
+        check_dense(fa, q, k, v, softcap=softcap, causal=causal)
+
+
 _OPTION_NAMES = ("window", "softcap", "alibi", "sinks", "dropout", "causal")
 
 
