@@ -174,7 +174,7 @@ def _attn_fwd_kernel(
     o_base = tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om)
     store_tile(o_base, acc_a * inv_sum[:, None], acc_b * inv_sum[:, None], start_m, stride_om, seqlen_q, BLOCK_M,
                HEAD_DIM, DIM_A, DIM_B, PRECISION)
-    lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(row_sum)) * LN2)
+    lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(tl.where(empty_row, 1.0, row_sum))) * LN2)
     lse_base = tile_base(Lse, batch, head, q_first, stride_lse_b, stride_lse_h, 1)
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
