@@ -73,6 +73,19 @@ class InferenceParams:
             self.lengths_per_sample.zero_()
 
 
+def _hold_options(module: nn.Module, causal: bool, softmax_scale: Optional[float], dropout: float,
+                  window_size: tuple, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool):
+    """Set the attributes the layers of ``layers.py`` read, under flash-attn's names (the slopes as a
+    non-persistent buffer, so that they follow the module's device)."""
+    module.causal = causal
+    module.softmax_scale = softmax_scale
+    module.drop = nn.Dropout(dropout)
+    module.window_size = window_size
+    module.softcap = softcap
+    module.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+    module.deterministic = deterministic
+
+
 class FlashSelfAttention(layers.FlashSelfAttention):
     """forward(qkv, causal=None, cu_seqlens=None, max_seqlen=None): see layers.FlashSelfAttention."""
 
@@ -80,12 +93,7 @@ class FlashSelfAttention(layers.FlashSelfAttention):
                  window_size: tuple = (-1, -1), alibi_slopes: Optional[torch.Tensor] = None,
                  deterministic: bool = False):
         super().__init__()
-        self.causal = causal
-        self.softmax_scale = softmax_scale
-        self.drop = nn.Dropout(attention_dropout)
-        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-        self.window_size = window_size
-        self.deterministic = deterministic
+        _hold_options(self, causal, softmax_scale, attention_dropout, window_size, 0.0, alibi_slopes, deterministic)
 
 
 class FlashCrossAttention(layers.FlashCrossAttention):
@@ -96,12 +104,7 @@ class FlashCrossAttention(layers.FlashCrossAttention):
                  alibi_slopes: Optional[torch.Tensor] = None, window_size: tuple = (-1, -1),
                  deterministic: bool = False):
         super().__init__()
-        self.causal = causal
-        self.softmax_scale = softmax_scale
-        self.drop = nn.Dropout(attention_dropout)
-        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-        self.window_size = window_size
-        self.deterministic = deterministic
+        _hold_options(self, causal, softmax_scale, attention_dropout, window_size, 0.0, alibi_slopes, deterministic)
 
 
 class FlashAttention(layers.FlashAttention):
@@ -112,13 +115,7 @@ class FlashAttention(layers.FlashAttention):
                  window_size: tuple = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                  deterministic: bool = False):
         super().__init__()
-        self.causal = causal
-        self.softmax_scale = softmax_scale
-        self.drop = nn.Dropout(dropout)
-        self.window_size = window_size
-        self.softcap = softcap
-        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-        self.deterministic = deterministic
+        _hold_options(self, causal, softmax_scale, dropout, window_size, softcap, alibi_slopes, deterministic)
 
 
 class MHA(nn.Module):
