@@ -37,6 +37,7 @@ LOG2E = math.log2(math.e)
 KEY_ROWS = 64  # keys per consumer warpgroup (the wgmma M of S^T)
 KEYS = gl.constexpr(KEY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (renamed in Triton 3.9)
 
 
 @gluon.jit
@@ -51,15 +52,15 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, 
     """One warp: K and V once, then the (Q, dO) tiles through the ring."""
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [row0 + start_key + w * KEYS, col], kv_bar, k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [row0 + start_key + w * KEYS, col], kv_bar, v_smem.index(w))
+        _tma_load(k_desc, [row0 + start_key + w * KEYS, col], kv_bar, k_smem.index(w))
+        _tma_load(v_desc, [row0 + start_key + w * KEYS, col], kv_bar, v_smem.index(w))
     i = 0
     for m in range(m_lo, m_hi, BLOCK_M):
         idx = i % STAGES
         mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
         mbarrier.expect(ready.index(idx), 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + m, col], ready.index(idx), q_bufs.index(idx))
-        tma.async_copy_global_to_shared(do_desc, [row0 + m, col], ready.index(idx), do_bufs.index(idx))
+        _tma_load(q_desc, [row0 + m, col], ready.index(idx), q_bufs.index(idx))
+        _tma_load(do_desc, [row0 + m, col], ready.index(idx), do_bufs.index(idx))
         i += 1
 
 

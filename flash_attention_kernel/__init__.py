@@ -14,6 +14,8 @@ strides whose last dim is contiguous.
   split-KV decoding with the query heads of a KV head packed into one program, and the merge.
 * backward.py: dQ + dK/dV kernels (delta from the dQ kernel or a preprocess kernel), no atomics,
   GQA reduced inside the dK/dV kernel; the sinks' gradient.
+* hopper_dkdv.py: the dK/dV kernel again, in Gluon for Hopper (a producer warp, two consumer
+  warpgroups out of step), for the dense calls it covers.
 * probabilities.py: the attention probabilities with the dropout mask (return_attn_probs).
 * rotary.py: rotary position embeddings (RoPE), in place or not, dense or varlen, with offsets.
 * tiles.py: tile loads/stores with 64-bit offsets, sequence spans (dense or varlen) and the

@@ -19,6 +19,9 @@ the gradients are
 * ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
   tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
   in registers, never by expanding K/V in memory or by atomics.
+* On Hopper, dense calls with full tiles and no options beyond causal, softcap and sinks take
+  ``hopper_dkdv`` instead: the same math in Gluon, with a producer warp and two consumer
+  warpgroups that run out of step (FlashAttention-3's structure).
 * ``_attn_bwd_dq_kernel``: one program per BLOCK_M query rows; it streams key tiles like the
   forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).
 
@@ -33,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import hopper_dkdv
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
@@ -377,7 +381,10 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
-    launch_fitting(dkdv_plan, launch_dkdv)
+    if hopper_dkdv.plan(options, layout, interpreted, q, k, v, dout):
+        hopper_dkdv.attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
+    else:
+        launch_fitting(dkdv_plan, launch_dkdv)
     if not delta_in_dq:
         launch_fitting(dq_plan, launch_dq)
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)

@@ -1,0 +1,281 @@
+"""The backward's dK/dV kernel for Hopper (sm_90), written in Gluon with explicit warp roles.
+
+The tl dK/dV kernel (``backward._attn_bwd_dkdv_kernel``) runs its two warpgroups in lockstep
+through S -> P -> dP -> dS -> dV, dK for each query tile, so the per-score work between the
+products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the tensor cores idle
+(benchmarks/NOTES.md, v17). This kernel takes FlashAttention-3's structure instead:
+
+* one program per 128 keys of one KV head (dense batches); K and V stay in shared memory;
+* a producer warp streams the (Q, dO) tiles of 64 query rows, for every query head that shares the
+  KV head, through a ring of STAGES shared-memory buffers by TMA, with a "ready" and an "empty"
+  mbarrier per buffer;
+* two consumer warpgroups, each owning 64 of the keys, read the ring independently. Per tile:
+  S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory, both in flight at once), P^T =
+  exp2(S^T - lse) and dS^T = P^T (dP^T - delta) (times tanh' under a softcap) in registers, then
+  dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands. Nothing holds the two
+  warpgroups in step, so one's per-score work runs while the other's products do.
+
+Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
+P = 0, dK is scaled by softmax_scale at the end). ``plan`` decides where it runs: Hopper under a
+Triton version checked here, dense bf16/fp16 inputs with head_dim 64 or 128 whose tensors split
+into TMA rows (``launch._splits_into_rows``), full tiles (seqlen_q a multiple of 64, seqlen_k of
+128: a ragged tile would read the next slice's rows), and no option beyond causal, softcap and
+sinks; by default only causal or softcapped calls, where it was measured faster (``plan``).
+Everything else takes the tl kernel.
+
+Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
+``async_load`` from 3.9), so the module binds the name it finds and ``CHECKED_VERSIONS`` lists the
+Triton releases this kernel was run and checked under.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch._subclasses.fake_tensor import is_fake
+
+from .launch import SequenceLayout, _splits_into_rows, _tma_possible
+from .options import LOG2E, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: the tl kernel serves every call
+    gluon = None
+
+# Triton releases under which this kernel ran the GPU suite (benchmarks/NOTES.md, v19)
+CHECKED_VERSIONS = ("3.6.", "3.9.")
+# Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements)
+STAGES = {64: 4, 128: 3}
+KEY_ROWS = 64  # keys per consumer warpgroup: the wgmma M of S^T
+QUERY_ROWS = 64  # query rows per ring buffer: the wgmma N of S^T, K of dV and dK
+CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); the producer warp gets 24
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where (batch, head, row) of a dense tensor sits in its TMA matrix view (rows of
+    ``stride_row`` elements): row batch * batch_rows + head * head_rows + row, column
+    head * head_cols (``tiles.tensor_tile_descriptors`` does the same for the tl kernels)."""
+    batch_rows: int
+    head_rows: int
+    head_cols: int
+
+    @staticmethod
+    def of(x: torch.Tensor, layout: SequenceLayout) -> "Geometry":
+        stride_batch, stride_head, stride_row = layout.strides(x)
+        head_rows, head_cols = divmod(stride_head, stride_row) if x.shape[2] > 1 else (0, 0)
+        return Geometry(stride_batch // stride_row if x.shape[0] > 1 else 0, head_rows, head_cols)
+
+
+def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, *tensors: torch.Tensor) -> bool:
+    """Whether the dK/dV of this call runs here rather than in the tl kernel (see the module
+    docstring). ``tensors``: q, k, v, dout.
+
+    Unset, FLASH_ATTENTION_GLUON takes the calls where this kernel was measured faster (NOTES v19:
+    causal ones, and softcapped ones; a plain non-causal call runs the tl kernel as fast); "1"
+    takes every call the kernel can run, under any Triton; "0" none."""
+    if gluon is None or interpreted or any(is_fake(x) for x in tensors):  # (traced: the graph keeps the tl kernels)
+        return False
+    setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
+    if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
+        return False
+    if setting != "1" and not (triton.__version__.startswith(CHECKED_VERSIONS)
+                               and (options.causal or options.softcap > 0)):
+        return False
+    q = tensors[0]
+    if (options.variant & ~(SOFTCAP | SINKS) & ~_causal_bits(options) or layout.is_varlen
+            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in STAGES):
+        return False
+    if layout.seqlen_q % QUERY_ROWS or layout.seqlen_k % (2 * KEY_ROWS):
+        return False
+    if q.device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return _tma_possible(False, tensors) and all(_splits_into_rows(x, layout) for x in tensors)
+
+
+def _causal_bits(options: AttentionOptions) -> int:
+    """The variant's mask bits that plain causal masking sets (a right band edge at 0, no left)."""
+    return MASK_RIGHT if options.causal and options.window_left < 0 else 0
+
+
+def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions, layout: SequenceLayout) -> None:
+    """Write dK and dV (softmax_scale applied) of a call ``plan`` accepted; lse and delta are
+    (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
+    through torch.library.wrap_triton: ``plan`` keeps traced calls on the tl kernels."""
+    batch, seqlen_k, num_heads_kv, head_dim = k.shape
+    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def descriptor(x, block_rows):
+        g = Geometry.of(x, layout)
+        stride_row = layout.strides(x)[2]
+        rows = (x.shape[0] - 1) * g.batch_rows + (x.shape[2] - 1) * g.head_rows + x.shape[1]
+        shared = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], element)
+        return TensorDescriptor(x, [rows, stride_row], [stride_row, 1], [block_rows, head_dim], shared)
+
+    geometry = [Geometry.of(x, layout) for x in (q, k, v, dout)]
+    softcap = options.softcap
+    stat_b, stat_h = layout.stat_strides(delta)
+    _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
+        descriptor(q, QUERY_ROWS), descriptor(k, KEY_ROWS), descriptor(v, KEY_ROWS), descriptor(dout, QUERY_ROWS),
+        *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols)),
+        lse, delta, stat_b, stat_h, dk, dv, *layout.strides(dk), *layout.strides(dv),
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, options.softmax_scale * LOG2E,
+        options.softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, options.softmax_scale,
+        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=STAGES[head_dim],
+        CAUSAL=options.causal, SOFTCAP=softcap > 0, num_warps=4,
+    )
+
+
+if gluon is not None:
+    # TMA's global-to-shared copy under its name in this release
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    KEYS = gl.constexpr(KEY_ROWS)
+    ROWS = gl.constexpr(QUERY_ROWS)
+    FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
+    REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
+    LOG2E_ = gl.constexpr(LOG2E)
+
+    @gluon.jit
+    def _tanh_approx(x):
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _first_query_tile(start_key, diag, CAUSAL: gl.constexpr):
+        """The first query tile that sees any of keys [start_key, ...): causal row i sees keys
+        j <= i + diag."""
+        if CAUSAL:
+            return gl.maximum(start_key - diag, 0) // ROWS * ROWS
+        else:
+            return start_key * 0
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, do_desc, q_rows, do_rows, k_row, v_row, q_col, do_col, k_col, v_col,
+                  q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
+                  kv_bar, ready, empty, m_lo, seqlen_q,
+                  GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: K and V once, then the (Q, dO) tiles of each query head through the ring."""
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            _tma_load(k_desc, [k_row + w * KEYS, k_col], kv_bar, k_smem.index(w))
+            _tma_load(v_desc, [v_row + w * KEYS, v_col], kv_bar, v_smem.index(w))
+        i = 0
+        for g in range(GROUP_SIZE):
+            for m in range(m_lo, seqlen_q, ROWS):
+                idx = i % STAGES
+                mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
+                mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], ready.index(idx),
+                          q_bufs.index(idx))
+                _tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], ready.index(idx),
+                          do_bufs.index(idx))
+                i += 1
+
+    @gluon.jit
+    def _consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
+                  DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
+                  qk_log2, tanh_scale, softcap_log2, softmax_scale,
+                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+        """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over every query tile."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, ROWS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        dtype: gl.constexpr = q_bufs.dtype
+        first_key = start_key + WG * KEYS
+        keys = first_key + gl.arange(0, KEYS, gl.SliceLayout(1, s_layout))
+        k = k_smem.index(WG)
+        v = v_smem.index(WG)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        zero_s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+        mbarrier.wait(kv_bar, 0)
+        i = 0
+        for g in range(GROUP_SIZE):
+            stats = stat_base + g * stat_h
+            for m in range(m_lo, seqlen_q, ROWS):
+                idx = i % STAGES
+                mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+                q = q_bufs.index(idx)
+                do = do_bufs.index(idx)
+                s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                queries = m + gl.arange(0, ROWS, gl.SliceLayout(0, s_layout))
+                lse_log2 = gl.load(Lse + stats + queries) * LOG2E_
+                delta = gl.load(Delta + stats + queries)
+                s = warpgroup_mma_wait(1, deps=(s,))
+                if SOFTCAP:
+                    capped = _tanh_approx(s * tanh_scale)
+                    p = gl.exp2(capped * softcap_log2 - lse_log2[None, :])
+                else:
+                    p = gl.exp2(s * qk_log2 - lse_log2[None, :])
+                if CAUSAL:
+                    p = gl.where(queries[None, :] + diag >= keys[:, None], p, 0.0)
+                dp = warpgroup_mma_wait(0, deps=(dp,))
+                ds = p * (dp - delta[None, :])
+                if SOFTCAP:
+                    ds = ds * (1.0 - capped * capped)
+                dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand_layout), do, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(empty.index(idx), count=1)
+                i += 1
+        rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
+        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+        gl.store(DK + dk_base + rows[:, None] * stride_dkn + dims[None, :], (dk * softmax_scale).to(DK.dtype.element_ty))
+        gl.store(DV + dv_base + rows[:, None] * stride_dvn + dims[None, :], dv.to(DV.dtype.element_ty))
+
+    @gluon.jit
+    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
+                     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
+                     v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
+                     Lse, Delta, stat_b, stat_h, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     stride_dvb, stride_dvh, stride_dvn,
+                     seqlen_q, diag, qk_log2, tanh_scale, softcap_log2, softmax_scale,
+                     HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+        start_key = gl.program_id(0) * (2 * KEYS)
+        kv_head = gl.program_id(1)
+        batch = gl.program_id(2)
+        head = kv_head * GROUP_SIZE  # the group's first query head
+        m_lo = _first_query_tile(start_key, diag, CAUSAL)
+
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, KEYS, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, KEYS, HEAD_DIM], v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, ROWS, HEAD_DIM], q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, ROWS, HEAD_DIM], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a buffer
+
+        stat_base = batch.to(gl.int64) * stat_b + head.to(gl.int64) * stat_h
+        dk_base = batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+        dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+        # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
+                         DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
+                         qk_log2, tanh_scale, softcap_log2, softmax_scale,
+                         FIRST, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP)),
+            (_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
+                         DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
+                         qk_log2, tanh_scale, softcap_log2, softmax_scale,
+                         SECOND, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc,
+                         batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
+                         batch * k_batch_rows + kv_head * k_head_rows + start_key,
+                         batch * v_batch_rows + kv_head * v_head_rows + start_key,
+                         head * q_head_cols, head * do_head_cols, kv_head * k_head_cols, kv_head * v_head_cols,
+                         q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
+                         kv_bar, ready, empty, m_lo, seqlen_q, GROUP_SIZE, STAGES)),
+        ], [4, 1], [REGISTERS, 24])

@@ -1,0 +1,154 @@
+"""The Gluon dK/dV kernel for Hopper (flash_attention_kernel/hopper_dkdv.py).
+
+On a Hopper GPU under a checked Triton, dense backward calls with full tiles (seqlen_q a multiple
+of 64, seqlen_k of 128), head dim 64 or 128, bf16/fp16 and no options beyond causal, softcap and
+sinks take it instead of the tl dK/dV kernel. The cases cross what the kernel handles itself:
+causal rows aligned bottom-right (seqlen_q above and below seqlen_k), GQA groups streamed through
+one ring, heads side by side or one under another in the TMA matrix view, packed qkv, a softcap
+past its cap, sinks in the lse. Each meets the float64 bar, and FLASH_ATTENTION_GLUON=0 (the tl
+kernel) agrees to rounding. On the CPU the kernel cannot run, so the CPU tests check the decision
+and compile the kernel for sm_90 under the installed Triton (its Gluon API changes by release).
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+
+from conftest import ON_GPU
+from reference import BWD_FACTOR, assert_within_bar, run_ref
+from sizes import BF16
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+def _module(fa):
+    return fa.flash_attention_kernel.hopper_dkdv
+
+
+def _bshd(batch, seqlen, heads, dtype, head_dim=128):
+    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda" if ON_GPU else "cpu")
+
+
+def _taken(fa, q, k, v, causal=False, **options):
+    """Whether ``hopper_dkdv.plan`` takes these inputs (as attention_backward asks it)."""
+    kernels = fa.flash_attention_kernel
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
+    return _module(fa).plan(attention, layout, not ON_GPU, q, k, v, torch.empty_like(q))
+
+
+def test_taken_only_where_it_can_work(fa, monkeypatch):
+    q, k, v = _bshd(2, 128, 4, BF16), _bshd(2, 256, 2, BF16), _bshd(2, 256, 2, BF16)
+    checked = triton.__version__.startswith(_module(fa).CHECKED_VERSIONS)
+    assert _taken(fa, q, k, v, causal=True) == (ON_HOPPER and checked)
+    assert _taken(fa, q, k, v, softcap=30.0) == (ON_HOPPER and checked)
+    assert _taken(fa, q, k, v, causal=True, softcap=30.0, sinks=torch.zeros(4, device=q.device)) == \
+        (ON_HOPPER and checked)
+    assert not _taken(fa, q, k, v)  # plain non-causal: the tl kernel is as fast
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")  # any Triton; still only where the kernel can run
+    assert _taken(fa, q, k, v) == ON_HOPPER
+    assert not _taken(fa, q[:, :120], k, v)  # a partial query tile
+    assert not _taken(fa, q, k[:, :192], v[:, :192])  # a partial key block
+    assert not _taken(fa, *(x[..., :96].contiguous() for x in (q, k, v)))  # head dim 96
+    assert not _taken(fa, q.float(), k.float(), v.float())
+    assert not _taken(fa, q, k, v, window_left=64)
+    assert not _taken(fa, q, k, v, causal=True, window_left=64)
+    assert not _taken(fa, q, k, v, window_right=0)  # causal spelled as a window: the tl kernel
+    assert not _taken(fa, q, k, v, alibi_slopes=torch.zeros(4, device=q.device))
+    assert not _taken(fa, q, k, v, dropout_p=0.1)
+    monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
+    assert not _taken(fa, q, k, v)
+    monkeypatch.delenv("FLASH_ATTENTION_TMA")
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
+    assert not _taken(fa, q, k, v)
+
+
+@pytest.mark.parametrize("head_dim, group, causal, softcap", [(128, 1, True, True), (64, 2, False, False)])
+def test_compiles_for_hopper(fa, head_dim, group, causal, softcap):
+    """The kernel compiles to an sm_90 cubin under the installed Triton, with no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    module = _module(fa)
+    shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
+    descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
+    geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
+    signature = dict(
+        q_desc=descriptor, k_desc=descriptor, v_desc=descriptor, do_desc=descriptor, **{n: "i32" for n in geometry},
+        Lse="*fp32", Delta="*fp32", stat_b="i64", stat_h="i64", DK="*bf16", DV="*bf16",
+        **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
+        seqlen_q="i32", diag="i32", qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
+        HEAD_DIM="constexpr", GROUP_SIZE="constexpr", STAGES="constexpr", CAUSAL="constexpr", SOFTCAP="constexpr")
+    constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=module.STAGES[head_dim], CAUSAL=causal,
+                     SOFTCAP=softcap)
+    compiled = triton.compile(GluonASTSource(module._dkdv_kernel, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+    assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
+
+
+def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
+    return _bshd(batch, heads, seqlen, dtype, head_dim).transpose(1, 2)
+
+
+# (name, q, k, v builders, causal): seqlen_q a multiple of 64, seqlen_k of 128
+CASES = [
+    ("gqa-causal", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True),
+    ("gqa4-full", lambda dt: (_bshd(1, 192, 8, dt), _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)), False),
+    ("fewer-queries-causal", lambda dt: (_bshd(2, 64, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)), True),
+    ("more-queries-causal", lambda dt: (_bshd(2, 448, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True),
+    ("bhsd-view", lambda dt: (_bhsd_view(2, 128, 3, dt), _bhsd_view(2, 256, 3, dt), _bhsd_view(2, 256, 3, dt)),
+     True),
+    ("qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), False),
+    ("d64-gqa-causal", lambda dt: (_bshd(2, 320, 4, dt, 64), _bshd(2, 384, 1, dt, 64), _bshd(2, 384, 1, dt, 64)),
+     True),
+]
+
+
+def _gradients(fa, monkeypatch, setting, q, k, v, dout, causal, **options):
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fa.flash_attn_func(*leaves, causal=causal, **options)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon dK/dV kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("softcap", [0.0, 8.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name, make, causal", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, dtype, softcap):
+    q, k, v = make(dtype)
+    if softcap:
+        q = q * 4  # scores past the cap, where tanh' is small
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    assert _taken(fa, q, k, v, causal=causal, softcap=softcap)
+    ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, softcap=softcap)
+    tl_kernel = _gradients(fa, monkeypatch, "0", q, k, v, dout, causal, softcap=softcap)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, softcap=softcap)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, dtype, softcap=softcap)
+    for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), ours, tl_kernel, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+        assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon dK/dV kernel runs on Hopper GPUs only")
+def test_sinks_and_repeatability(fa, monkeypatch):
+    """Sinks reach the kernel through the lse only; the gradients are bitwise repeatable."""
+    q, k, v = _bshd(2, 192, 4, BF16), _bshd(2, 256, 2, BF16), _bshd(2, 256, 2, BF16)
+    sinks = torch.randn(4, device=q.device)
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    assert _taken(fa, q, k, v, causal=True, sinks=sinks)
+    first = _gradients(fa, monkeypatch, "1", q, k, v, dout, True, s_aux=sinks)
+    again = _gradients(fa, monkeypatch, "1", q, k, v, dout, True, s_aux=sinks)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    _, truth = run_ref(q, k, v, dout, True, scale, torch.float64, sinks=sinks)
+    _, same_dtype = run_ref(q, k, v, dout, True, scale, BF16, sinks=sinks)
+    for label, mine, pt, exact in zip(("dq", "dk", "dv"), first, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
