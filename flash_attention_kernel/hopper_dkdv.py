@@ -18,7 +18,7 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end). ``plan`` decides where it runs: Hopper under a
 Triton version checked here, dense bf16/fp16 inputs with head_dim 64 or 128 whose tensors split
-into TMA rows (``launch._splits_into_rows``), full tiles (seqlen_q a multiple of 64, seqlen_k of
+into TMA rows (``launch.RowGeometry``), full tiles (seqlen_q a multiple of 64, seqlen_k of
 128: a ragged tile would read the next slice's rows), and no option beyond causal, softcap and
 sinks; by default only causal or softcapped calls, where it was measured faster (``plan``).
 Everything else takes the tl kernel.
@@ -29,13 +29,12 @@ Triton releases this kernel was run and checked under.
 """
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
 
-from .launch import SequenceLayout, _splits_into_rows, _tma_possible
+from .launch import RowGeometry, SequenceLayout, _splits_into_rows, _tma_possible
 from .options import LOG2E, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
 
 try:
@@ -53,22 +52,6 @@ STAGES = {64: 4, 128: 3}
 KEY_ROWS = 64  # keys per consumer warpgroup: the wgmma M of S^T
 QUERY_ROWS = 64  # query rows per ring buffer: the wgmma N of S^T, K of dV and dK
 CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); the producer warp gets 24
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Where (batch, head, row) of a dense tensor sits in its TMA matrix view (rows of
-    ``stride_row`` elements): row batch * batch_rows + head * head_rows + row, column
-    head * head_cols (``tiles.tensor_tile_descriptors`` does the same for the tl kernels)."""
-    batch_rows: int
-    head_rows: int
-    head_cols: int
-
-    @staticmethod
-    def of(x: torch.Tensor, layout: SequenceLayout) -> "Geometry":
-        stride_batch, stride_head, stride_row = layout.strides(x)
-        head_rows, head_cols = divmod(stride_head, stride_row) if x.shape[2] > 1 else (0, 0)
-        return Geometry(stride_batch // stride_row if x.shape[0] > 1 else 0, head_rows, head_cols)
 
 
 def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, *tensors: torch.Tensor) -> bool:
@@ -108,19 +91,16 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     through torch.library.wrap_triton: ``plan`` keeps traced calls on the tl kernels."""
     batch, seqlen_k, num_heads_kv, head_dim = k.shape
     element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(x, block_rows):
-        g = Geometry.of(x, layout)
-        stride_row = layout.strides(x)[2]
-        rows = (x.shape[0] - 1) * g.batch_rows + (x.shape[2] - 1) * g.head_rows + x.shape[1]
-        shared = gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], element)
-        return TensorDescriptor(x, [rows, stride_row], [stride_row, 1], [block_rows, head_dim], shared)
-
-    geometry = [Geometry.of(x, layout) for x in (q, k, v, dout)]
+    geometry = [RowGeometry.of(x, layout) for x in (q, k, v, dout)]
+    descriptors = [
+        TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [rows, head_dim],
+                         gl.NVMMASharedLayout.get_default_for([rows, head_dim], element))
+        for x, g, rows in zip((q, k, v, dout), geometry, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS))
+    ]
     softcap = options.softcap
     stat_b, stat_h = layout.stat_strides(delta)
     _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
-        descriptor(q, QUERY_ROWS), descriptor(k, KEY_ROWS), descriptor(v, KEY_ROWS), descriptor(dout, QUERY_ROWS),
+        *descriptors,
         *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols)),
         lse, delta, stat_b, stat_h, dk, dv, *layout.strides(dk), *layout.strides(dv),
         layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, options.softmax_scale * LOG2E,

@@ -206,18 +206,38 @@ def _checked_hopper(device: torch.device) -> bool:
             and triton.__version__.startswith(WARP_SPECIALIZATION_CHECKED))
 
 
+@dataclass(frozen=True)
+class RowGeometry:
+    """Where (batch, head, row) of a dense (batch, seqlen, heads, dim) tensor sits when the tensor
+    is seen as a matrix of ``stride_row``-element rows: row batch * batch_rows + head * head_rows +
+    row, column head * head_cols (``tiles.tensor_tile_descriptors`` derives the same in the
+    kernels). ``num_rows`` reaches the last row of the last (batch, head) slice."""
+    batch_rows: int
+    head_rows: int
+    head_cols: int
+    stride_row: int
+    num_rows: int
+
+    @staticmethod
+    def of(x: torch.Tensor, layout: "SequenceLayout") -> "RowGeometry":
+        batch, seqlen, heads, _ = x.shape
+        stride_batch, stride_head, stride_row = layout.strides(x)
+        head_rows, head_cols = divmod(stride_head, stride_row) if heads > 1 else (0, 0)
+        batch_rows = stride_batch // stride_row if batch > 1 else 0
+        num_rows = (batch - 1) * batch_rows + (heads - 1) * head_rows + seqlen
+        return RowGeometry(batch_rows, head_rows, head_cols, stride_row, num_rows)
+
+
 def _splits_into_rows(x: torch.Tensor, layout: "SequenceLayout") -> bool:
     """Whether dense (batch, seqlen, heads, dim) ``x`` is a matrix of row-stride-long rows in which
     each (batch, head) slice is a block of consecutive rows, its columns inside one row
-    (``tiles.tensor_tile_descriptors``), with fewer than 2**31 rows (int32 indices)."""
-    batch, seqlen, heads, head_dim = x.shape
-    stride_batch, stride_head, stride_row = layout.strides(x)
+    (``RowGeometry``), with fewer than 2**31 rows (int32 indices)."""
+    batch, _, heads, head_dim = x.shape
+    stride_batch, _, stride_row = layout.strides(x)
     if stride_row < head_dim or (batch > 1 and stride_batch % stride_row):
         return False
-    head_rows, head_cols = divmod(stride_head, stride_row) if heads > 1 else (0, 0)
-    if (heads - 1) * head_cols + head_dim > stride_row:
-        return False
-    return (batch - 1) * (stride_batch // stride_row) + (heads - 1) * head_rows + seqlen < 2 ** 31
+    geometry = RowGeometry.of(x, layout)
+    return (heads - 1) * geometry.head_cols + head_dim <= stride_row and geometry.num_rows < 2 ** 31
 
 
 def _tma_possible(interpreted: bool, tensors) -> bool:
