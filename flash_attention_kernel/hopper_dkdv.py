@@ -35,7 +35,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from .launch import RowGeometry, SequenceLayout, _splits_into_rows, _tma_possible
-from .options import LOG2E, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
+from .options import DROPOUT, LOG2E, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
 
 try:
     from triton.experimental import gluon
@@ -67,10 +67,10 @@ def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, *
     if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
         return False
     if setting != "1" and not (triton.__version__.startswith(CHECKED_VERSIONS)
-                               and (options.causal or options.softcap > 0)):
+                               and (options.causal or options.softcap > 0 or options.dropout_p > 0)):
         return False
     q = tensors[0]
-    if (options.variant & ~(SOFTCAP | SINKS) & ~_causal_bits(options) or layout.is_varlen
+    if (options.variant & ~(SOFTCAP | SINKS | DROPOUT) & ~_causal_bits(options) or layout.is_varlen
             or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in STAGES):
         return False
     if layout.seqlen_q % QUERY_ROWS or layout.seqlen_k % (2 * KEY_ROWS):
@@ -99,14 +99,16 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     ]
     softcap = options.softcap
     stat_b, stat_h = layout.stat_strides(delta)
+    _, _, _, rng_state, _, _, _, _, dropout_threshold, dropout_scale = options.kernel_args(lse)
     _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
         *descriptors,
         *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols)),
         lse, delta, stat_b, stat_h, dk, dv, *layout.strides(dk), *layout.strides(dv),
         layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, options.softmax_scale * LOG2E,
         options.softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, options.softmax_scale,
+        rng_state, q.shape[2], dropout_threshold, dropout_scale,
         HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=STAGES[head_dim],
-        CAUSAL=options.causal, SOFTCAP=softcap > 0, num_warps=4,
+        CAUSAL=options.causal, SOFTCAP=softcap > 0, DROPOUT=options.dropout_p > 0, num_warps=4,
     )
 
 
@@ -123,6 +125,53 @@ if gluon is not None:
     def _tanh_approx(x):
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
+
+    # Philox-4x32 (tl.philox's constants and 7 rounds: scores.dropout_keep's draws)
+    PHILOX_ROUNDS = gl.constexpr(7)
+    ROUND_A, ROUND_B = gl.constexpr(0xD2511F53), gl.constexpr(0xCD9E8D57)
+    KEY_A, KEY_B = gl.constexpr(0x9E3779B9), gl.constexpr(0xBB67AE85)
+    # The Philox calls of a consumer's [64 keys, 64 queries] tile, one per thread and call: the
+    # accumulator layout of S^T restricted to keys with key % 16 < 8 and queries with query % 16 < 8
+    # (row kc is key 16 (kc // 8) + kc % 8, column qc query 16 (qc // 8) + qc % 8; see _dropout_words)
+    CALLS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 32]))
+
+    @gluon.jit
+    def _philox(c0, c1, c2, c3, k0, k1):
+        """Philox-4x32-7 of counters (c0, c1, c2, c3) and key (k0, k1), uint32 tensors or scalars that
+        broadcast (a counter constant along a dimension costs nothing there in the first rounds)."""
+        for _ in gl.static_range(PHILOX_ROUNDS):
+            c0, c1, c2, c3 = (gl.umulhi(c2, ROUND_B) ^ c1 ^ k0, c2 * ROUND_B,
+                              gl.umulhi(c0, ROUND_A) ^ c3 ^ k1, c0 * ROUND_A)
+            k0 = k0 + KEY_A
+            k1 = k1 + KEY_B
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _spread_rows(index):
+        """Row (column) of the S^T tile of call row (column) ``index``: 16 (index // 8) + index % 8."""
+        return index // 8 * 16 + index % 8
+
+    @gluon.jit
+    def _dropout_words(key_groups, upper_keys, query_groups, stream, offset, seed_lo, seed_hi,
+                       LAYOUT: gl.constexpr):
+        """[KEYS, ROWS] uint32 in LAYOUT (S^T's accumulator layout): for each (key, query) pair the
+        Philox word that holds its 8-bit draw (scores.dropout_keep's mapping: pair (query 16 a + 8 h
+        + r, key 32 t + 8 j + 2 c + e) draws byte 8 h + 2 j + e of the call at counter (4 t + c,
+        16 a + r, stream, offset), i.e. byte 2 (j % 2) + e of word 2 h + j // 2).
+
+        A thread of S^T holds keys r and r + 8 (j and j + 1, one c and e) and queries 2 c' + e' + 8 i
+        (i < 8) of each 16 x 64 block: 8 calls, (query group 16 (i // 2) + 2 c' + e'), each giving it
+        4 pairs. The calls are made in CALLS, the S^T layout without the key + 8 and query + 8
+        register bits, and each call's two words (h = 0, 1; j // 2 = (key // 16) % 2 is the same for
+        the thread's keys) are joined back in as those bits: the result holds the same elements on
+        the same threads as S^T, so the conversion only renames registers."""
+        r0, r1, r2, r3 = _philox(key_groups, query_groups, stream, offset, seed_lo, seed_hi)
+        words = gl.join(gl.where(upper_keys, r1, r0), gl.where(upper_keys, r3, r2))  # [kc, qc, h]
+        words = gl.reshape(gl.join(words, words), [4, 8, 4, 8, 2, 2])  # [key // 16, key % 8, a, r, h, key % 16 // 8]
+        words = gl.reshape(gl.permute(words, (0, 5, 1, 2, 4, 3)), [KEYS, ROWS])
+        return gl.convert_layout(words, LAYOUT)
 
     @gluon.jit
     def _first_query_tile(start_key, diag, CAUSAL: gl.constexpr):
@@ -158,9 +207,9 @@ if gluon is not None:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
                   DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                  qk_log2, tanh_scale, softcap_log2, softmax_scale,
-                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+                  qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base, dropout_threshold,
+                  dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT: gl.constexpr):
         """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over every query tile."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, ROWS, 16])
@@ -175,6 +224,17 @@ if gluon is not None:
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         zero_s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+        if DROPOUT:  # the counters of this warpgroup's keys, and where each pair's byte sits in its word
+            seed = gl.load(RngState)
+            seed_lo = (seed & 0xFFFFFFFF).to(gl.uint32)
+            seed_hi = (seed >> 32).to(gl.uint32)
+            offset = (gl.load(RngState + 1) & 0xFFFFFFFF).to(gl.uint32)
+            call_keys = first_key + _spread_rows(gl.arange(0, KEYS // 2, gl.SliceLayout(1, CALLS)))
+            key_groups = gl.expand_dims((call_keys // 32 * 4 + call_keys % 8 // 2).to(gl.uint32), 1)
+            upper_keys = gl.expand_dims(call_keys // 16 % 2 == 1, 1)
+            call_queries = _spread_rows(gl.arange(0, ROWS // 2, gl.SliceLayout(0, CALLS)))
+            byte_shift = (24 - 8 * (keys // 8 % 2 * 2 + keys % 2)).to(gl.uint32)
+            limit = dropout_threshold.to(gl.uint32) << 24
         mbarrier.wait(kv_bar, 0)
         i = 0
         for g in range(GROUP_SIZE):
@@ -189,6 +249,9 @@ if gluon is not None:
                 queries = m + gl.arange(0, ROWS, gl.SliceLayout(0, s_layout))
                 lse_log2 = gl.load(Lse + stats + queries) * LOG2E_
                 delta = gl.load(Delta + stats + queries)
+                if DROPOUT:  # (drawn while the products run)
+                    words = _dropout_words(key_groups, upper_keys, gl.expand_dims((m + call_queries).to(gl.uint32), 0),
+                                           (stream_base + g).to(gl.uint32), offset, seed_lo, seed_hi, s_layout)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 if SOFTCAP:
                     capped = _tanh_approx(s * tanh_scale)
@@ -198,17 +261,23 @@ if gluon is not None:
                 if CAUSAL:
                     p = gl.where(queries[None, :] + diag >= keys[:, None], p, 0.0)
                 dp = warpgroup_mma_wait(0, deps=(dp,))
+                p_kept = p
+                if DROPOUT:  # dV takes the kept probabilities, dS the kept dP (scaled by 1 / (1 - p))
+                    keep = (words << byte_shift[:, None]) >= limit
+                    p_kept = gl.where(keep, p * dropout_scale, 0.0)
+                    dp = gl.where(keep, dp * dropout_scale, 0.0)
                 ds = p * (dp - delta[None, :])
                 if SOFTCAP:
                     ds = ds * (1.0 - capped * capped)
-                dv = warpgroup_mma(gl.convert_layout(p.to(dtype), operand_layout), do, dv, is_async=True)
+                dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), operand_layout), do, dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(empty.index(idx), count=1)
                 i += 1
         rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-        gl.store(DK + dk_base + rows[:, None] * stride_dkn + dims[None, :], (dk * softmax_scale).to(DK.dtype.element_ty))
+        dk = dk * softmax_scale
+        gl.store(DK + dk_base + rows[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty))
         gl.store(DV + dv_base + rows[:, None] * stride_dvn + dims[None, :], dv.to(DV.dtype.element_ty))
 
     @gluon.jit
@@ -218,8 +287,9 @@ if gluon is not None:
                      Lse, Delta, stat_b, stat_h, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn,
                      seqlen_q, diag, qk_log2, tanh_scale, softcap_log2, softmax_scale,
+                     RngState, num_heads, dropout_threshold, dropout_scale,
                      HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+                     CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT: gl.constexpr):
         start_key = gl.program_id(0) * (2 * KEYS)
         kv_head = gl.program_id(1)
         batch = gl.program_id(2)
@@ -241,16 +311,19 @@ if gluon is not None:
         stat_base = batch.to(gl.int64) * stat_b + head.to(gl.int64) * stat_h
         dk_base = batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
         dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+        stream_base = batch * num_heads + head  # dropout's Philox stream of the group's first head
         # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
                          DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                         qk_log2, tanh_scale, softcap_log2, softmax_scale,
-                         FIRST, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP)),
+                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base,
+                         dropout_threshold, dropout_scale, FIRST, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
+                         DROPOUT)),
             (_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
                          DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                         qk_log2, tanh_scale, softcap_log2, softmax_scale,
-                         SECOND, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP)),
+                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base,
+                         dropout_threshold, dropout_scale, SECOND, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
+                         DROPOUT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc,
                          batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                          batch * k_batch_rows + kv_head * k_head_rows + start_key,

@@ -5,7 +5,8 @@ of 64, seqlen_k of 128), head dim 64 or 128, bf16/fp16 and no options beyond cau
 sinks take it instead of the tl dK/dV kernel. The cases cross what the kernel handles itself:
 causal rows aligned bottom-right (seqlen_q above and below seqlen_k), GQA groups streamed through
 one ring, heads side by side or one under another in the TMA matrix view, packed qkv, a softcap
-past its cap, sinks in the lse. Each meets the float64 bar, and FLASH_ATTENTION_GLUON=0 (the tl
+past its cap, sinks in the lse, dropout's keep mask redrawn from Philox (it must be the forward's,
+bit for bit, or the gradients miss the bar by far). Each meets the float64 bar, and FLASH_ATTENTION_GLUON=0 (the tl
 kernel) agrees to rounding. On the CPU the kernel cannot run, so the CPU tests check the decision
 and compile the kernel for sm_90 under the installed Triton (its Gluon API changes by release).
 """
@@ -46,6 +47,7 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert _taken(fa, q, k, v, softcap=30.0) == (ON_HOPPER and checked)
     assert _taken(fa, q, k, v, causal=True, softcap=30.0, sinks=torch.zeros(4, device=q.device)) == \
         (ON_HOPPER and checked)
+    assert _taken(fa, q, k, v, dropout_p=0.1) == (ON_HOPPER and checked)
     assert not _taken(fa, q, k, v)  # plain non-causal: the tl kernel is as fast
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")  # any Triton; still only where the kernel can run
     assert _taken(fa, q, k, v) == ON_HOPPER
@@ -57,7 +59,6 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert not _taken(fa, q, k, v, causal=True, window_left=64)
     assert not _taken(fa, q, k, v, window_right=0)  # causal spelled as a window: the tl kernel
     assert not _taken(fa, q, k, v, alibi_slopes=torch.zeros(4, device=q.device))
-    assert not _taken(fa, q, k, v, dropout_p=0.1)
     monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
     assert not _taken(fa, q, k, v)
     monkeypatch.delenv("FLASH_ATTENTION_TMA")
@@ -65,8 +66,9 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert not _taken(fa, q, k, v)
 
 
-@pytest.mark.parametrize("head_dim, group, causal, softcap", [(128, 1, True, True), (64, 2, False, False)])
-def test_compiles_for_hopper(fa, head_dim, group, causal, softcap):
+@pytest.mark.parametrize("head_dim, group, causal, softcap, dropout",
+                         [(128, 1, True, True, False), (64, 2, False, False, False), (128, 2, True, False, True)])
+def test_compiles_for_hopper(fa, head_dim, group, causal, softcap, dropout):
     """The kernel compiles to an sm_90 cubin under the installed Triton, with no GPU needed."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -81,9 +83,11 @@ def test_compiles_for_hopper(fa, head_dim, group, causal, softcap):
         Lse="*fp32", Delta="*fp32", stat_b="i64", stat_h="i64", DK="*bf16", DV="*bf16",
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
         seqlen_q="i32", diag="i32", qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
-        HEAD_DIM="constexpr", GROUP_SIZE="constexpr", STAGES="constexpr", CAUSAL="constexpr", SOFTCAP="constexpr")
+        RngState="*i64", num_heads="i32", dropout_threshold="i32", dropout_scale="fp32",
+        HEAD_DIM="constexpr", GROUP_SIZE="constexpr", STAGES="constexpr", CAUSAL="constexpr", SOFTCAP="constexpr",
+        DROPOUT="constexpr")
     constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=module.STAGES[head_dim], CAUSAL=causal,
-                     SOFTCAP=softcap)
+                     SOFTCAP=softcap, DROPOUT=dropout)
     compiled = triton.compile(GluonASTSource(module._dkdv_kernel, signature, constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.asm["cubin"]
@@ -152,3 +156,41 @@ def test_sinks_and_repeatability(fa, monkeypatch):
     _, same_dtype = run_ref(q, k, v, dout, True, scale, BF16, sinks=sinks)
     for label, mine, pt, exact in zip(("dq", "dk", "dv"), first, same_dtype, truth):
         assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+
+
+DROPOUT_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "more-queries-causal",
+                                                        "d64-gqa-causal")]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon dK/dV kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("softcap", [0.0, 8.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("name, make, causal", DROPOUT_CASES, ids=[c[0] for c in DROPOUT_CASES])
+def test_dropout_redraws_the_forward_mask(fa, monkeypatch, name, make, causal, softcap):
+    """The kernel draws each pair's keep bit itself (scores.dropout_keep's mapping in Gluon): with
+    the mask the forward returned (S_dmask), the gradients meet the float64 bar, as the tl kernel's
+    do on the same call; the gradients repeat bit for bit."""
+    q, k, v = make(BF16)
+    dropout_p = 0.17
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    assert _taken(fa, q, k, v, causal=causal, softcap=softcap, dropout_p=dropout_p)
+    runs = {}
+    for setting in ("1", "0", "1"):
+        monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        torch.manual_seed(7)
+        out, _, S_dmask = fa.flash_attn_func(*leaves, dropout_p=dropout_p, causal=causal, softcap=softcap,
+                                             return_attn_probs=True)
+        grads = torch.autograd.grad(out, leaves, dout)
+        if setting in runs:
+            assert all(torch.equal(a, b) for a, b in zip(grads, runs[setting][1]))
+        runs[setting] = (~torch.signbit(S_dmask), grads)
+    keep = runs["1"][0]
+    assert torch.equal(keep, runs["0"][0])  # (the forward is the same tl kernel)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    options = dict(softcap=softcap, keep=keep, dropout_p=dropout_p)
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **options)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **options)
+    for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), runs["1"][1], runs["0"][1], same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+        assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
