@@ -72,7 +72,8 @@ def measure(seqlen, heads, head_dim, causal, softcap, dropout):
     (tl_kernel, tl_total), (gl_kernel, gl_total) = times["0"], times["1"]
     return (f"seqlen {seqlen:5d} causal={causal!s:5} softcap={softcap:g} dropout={dropout:g}: "
             f"dK/dV tl {flops / tl_kernel * 1e-9:.0f} Gluon {flops / gl_kernel * 1e-9:.0f} TFLOP/s "
-            f"(x{tl_kernel / gl_kernel:.3f}); backward tl {tl_total:.3f} ms, Gluon {gl_total:.3f} ms; max rel. difference dK {errors[0]:.1e} dV {errors[1]:.1e}")
+            f"(x{tl_kernel / gl_kernel:.3f}); backward tl {tl_total:.3f} ms, Gluon {gl_total:.3f} ms; "
+            f"max rel. difference dK {errors[0]:.1e} dV {errors[1]:.1e}")
 
 
 def main():
