@@ -130,9 +130,14 @@ if gluon is not None:
     PHILOX_ROUNDS = gl.constexpr(7)
     ROUND_A, ROUND_B = gl.constexpr(0xD2511F53), gl.constexpr(0xCD9E8D57)
     KEY_A, KEY_B = gl.constexpr(0x9E3779B9), gl.constexpr(0xBB67AE85)
-    # The Philox calls of a consumer's [64 keys, 64 queries] tile, one per thread and call: the
-    # accumulator layout of S^T restricted to keys with key % 16 < 8 and queries with query % 16 < 8
-    # (row kc is key 16 (kc // 8) + kc % 8, column qc query 16 (qc // 8) + qc % 8; see _dropout_words)
+    # Dropout's Philox calls in a consumer's [64 keys, 64 queries] S^T tile (see _dropout_words):
+    # OWN_CALLS holds the calls a thread makes, [32 keys with key % 16 < 8, 16 (query // 16, query
+    # % 8 // 2)], 4 per thread; CALLS the 8 calls a thread needs, [32 keys, 32 queries with query %
+    # 16 < 8]. Row kc is key 16 (kc // 8) + kc % 8 in both, and each is S^T's accumulator layout
+    # without the register bits of key + 8 and query + 8 (and, in OWN_CALLS, of query + 1).
+    OWN_CALLS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 16]))
     CALLS = gl.constexpr(gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 32]))
@@ -150,26 +155,44 @@ if gluon is not None:
 
     @gluon.jit
     def _spread_rows(index):
-        """Row (column) of the S^T tile of call row (column) ``index``: 16 (index // 8) + index % 8."""
+        """Row of the S^T tile of call row ``index``: 16 (index // 8) + index % 8."""
         return index // 8 * 16 + index % 8
 
     @gluon.jit
-    def _dropout_words(key_groups, upper_keys, query_groups, stream, offset, seed_lo, seed_hi,
+    def _from_key_neighbour(x):
+        """x as the thread holding the neighbouring keys (key ^ 1: lane ^ 4 in S^T's layout) has it."""
+        return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [x],
+                                         dtype=gl.uint32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _with_neighbours_calls(own, odd_keys):
+        """[32, 32] in CALLS (column qc = query // 16 * 8 + query % 8) from a word of a thread's own
+        calls [32, 16] in OWN_CALLS and the same word of its neighbour's calls."""
+        theirs = _from_key_neighbour(own)
+        even_queries = gl.where(odd_keys, theirs, own)
+        odd_queries = gl.where(odd_keys, own, theirs)
+        return gl.reshape(gl.join(even_queries, odd_queries), [KEYS // 2, ROWS // 2])
+
+    @gluon.jit
+    def _dropout_words(key_groups, upper_keys, odd_keys, query_groups, stream, offset, seed_lo, seed_hi,
                        LAYOUT: gl.constexpr):
         """[KEYS, ROWS] uint32 in LAYOUT (S^T's accumulator layout): for each (key, query) pair the
-        Philox word that holds its 8-bit draw (scores.dropout_keep's mapping: pair (query 16 a + 8 h
-        + r, key 32 t + 8 j + 2 c + e) draws byte 8 h + 2 j + e of the call at counter (4 t + c,
-        16 a + r, stream, offset), i.e. byte 2 (j % 2) + e of word 2 h + j // 2).
+        Philox word that holds its 8-bit draw, as scores.dropout_keep maps them: pair (query 16 a +
+        8 h + r, key 32 t + 8 j + 2 c + e) draws byte 8 h + 2 j + e of the call at counter
+        (4 t + c, 16 a + r, stream, offset), that is byte 2 (j % 2) + e of word 2 h + j // 2.
 
-        A thread of S^T holds keys r and r + 8 (j and j + 1, one c and e) and queries 2 c' + e' + 8 i
-        (i < 8) of each 16 x 64 block: 8 calls, (query group 16 (i // 2) + 2 c' + e'), each giving it
-        4 pairs. The calls are made in CALLS, the S^T layout without the key + 8 and query + 8
-        register bits, and each call's two words (h = 0, 1; j // 2 = (key // 16) % 2 is the same for
-        the thread's keys) are joined back in as those bits: the result holds the same elements on
-        the same threads as S^T, so the conversion only renames registers."""
+        A thread of S^T holds keys r and r + 8 (j and j + 1 of one c and e) and queries 2 c' + e' +
+        8 i (i < 8) of each 16 x 64 block: it needs 8 calls (query groups 16 (i // 2) + 2 c' + e'),
+        4 pairs of each. The thread holding the neighbouring keys (e ^ 1) needs the same 8, so each
+        makes the 4 of its own e' = e (OWN_CALLS; query_groups already holds + e) and takes the
+        other 4 from its neighbour by a shuffle. Of each call it keeps words j // 2 and 2 + j // 2
+        (h = 0, 1; j // 2 = (key // 16) % 2 is the same for both its keys). The calls, now in CALLS,
+        and their h and j % 2 are joined back in as S^T's register bits, so the final conversion
+        only renames registers."""
         r0, r1, r2, r3 = _philox(key_groups, query_groups, stream, offset, seed_lo, seed_hi)
-        words = gl.join(gl.where(upper_keys, r1, r0), gl.where(upper_keys, r3, r2))  # [kc, qc, h]
-        words = gl.reshape(gl.join(words, words), [4, 8, 4, 8, 2, 2])  # [key // 16, key % 8, a, r, h, key % 16 // 8]
+        words = gl.join(_with_neighbours_calls(gl.where(upper_keys, r1, r0), odd_keys),  # [kc, qc, h]
+                        _with_neighbours_calls(gl.where(upper_keys, r3, r2), odd_keys))
+        words = gl.reshape(gl.join(words, words), [4, 8, 4, 8, 2, 2])  # [key // 16, key % 8, a, r, h, key // 8 % 2]
         words = gl.reshape(gl.permute(words, (0, 5, 1, 2, 4, 3)), [KEYS, ROWS])
         return gl.convert_layout(words, LAYOUT)
 
@@ -229,10 +252,13 @@ if gluon is not None:
             seed_lo = (seed & 0xFFFFFFFF).to(gl.uint32)
             seed_hi = (seed >> 32).to(gl.uint32)
             offset = (gl.load(RngState + 1) & 0xFFFFFFFF).to(gl.uint32)
-            call_keys = first_key + _spread_rows(gl.arange(0, KEYS // 2, gl.SliceLayout(1, CALLS)))
+            call_keys = first_key + _spread_rows(gl.arange(0, KEYS // 2, gl.SliceLayout(1, OWN_CALLS)))
             key_groups = gl.expand_dims((call_keys // 32 * 4 + call_keys % 8 // 2).to(gl.uint32), 1)
             upper_keys = gl.expand_dims(call_keys // 16 % 2 == 1, 1)
-            call_queries = _spread_rows(gl.arange(0, ROWS // 2, gl.SliceLayout(0, CALLS)))
+            odd_keys = gl.expand_dims(call_keys % 2 == 1, 1)
+            call_index = gl.arange(0, ROWS // 4, gl.SliceLayout(0, OWN_CALLS))  # 4 (query // 16) + query % 8 // 2
+            call_queries = (gl.expand_dims(call_index // 4 * 16 + call_index % 4 * 2, 0)
+                            + gl.expand_dims(call_keys % 2, 1))  # (+ e: the calls of its own e)
             byte_shift = (24 - 8 * (keys // 8 % 2 * 2 + keys % 2)).to(gl.uint32)
             limit = dropout_threshold.to(gl.uint32) << 24
         mbarrier.wait(kv_bar, 0)
@@ -250,7 +276,7 @@ if gluon is not None:
                 lse_log2 = gl.load(Lse + stats + queries) * LOG2E_
                 delta = gl.load(Delta + stats + queries)
                 if DROPOUT:  # (drawn while the products run)
-                    words = _dropout_words(key_groups, upper_keys, gl.expand_dims((m + call_queries).to(gl.uint32), 0),
+                    words = _dropout_words(key_groups, upper_keys, odd_keys, (m + call_queries).to(gl.uint32),
                                            (stream_base + g).to(gl.uint32), offset, seed_lo, seed_hi, s_layout)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 if SOFTCAP:
@@ -262,10 +288,10 @@ if gluon is not None:
                     p = gl.where(queries[None, :] + diag >= keys[:, None], p, 0.0)
                 dp = warpgroup_mma_wait(0, deps=(dp,))
                 p_kept = p
-                if DROPOUT:  # dV takes the kept probabilities, dS the kept dP (scaled by 1 / (1 - p))
+                if DROPOUT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
                     keep = (words << byte_shift[:, None]) >= limit
-                    p_kept = gl.where(keep, p * dropout_scale, 0.0)
-                    dp = gl.where(keep, dp * dropout_scale, 0.0)
+                    p_kept = gl.where(keep, p, 0.0)
+                    dp = gl.where(keep, dp, 0.0) * dropout_scale
                 ds = p * (dp - delta[None, :])
                 if SOFTCAP:
                     ds = ds * (1.0 - capped * capped)
@@ -277,6 +303,8 @@ if gluon is not None:
         rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
         dk = dk * softmax_scale
+        if DROPOUT:
+            dv = dv * dropout_scale
         gl.store(DK + dk_base + rows[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty))
         gl.store(DV + dv_base + rows[:, None] * stride_dvn + dims[None, :], dv.to(DV.dtype.element_ty))
 
