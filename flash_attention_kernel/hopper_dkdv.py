@@ -174,6 +174,17 @@ if gluon is not None:
         return gl.reshape(gl.join(even_queries, odd_queries), [KEYS // 2, ROWS // 2])
 
     @gluon.jit
+    def _drop(words, byte_shift, limit, p, dp):
+        """(p, dp) where the pair's draw (the byte of ``words`` that ``byte_shift`` moves to the top)
+        reaches ``limit``, else (0, 0). One asm block, so that the compiler keeps the select
+        before p's conversion to 16 bits (after it, it selects each half separately)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred keep; .reg .b32 draw; shl.b32 draw, $2, $3; setp.ge.u32 keep, draw, $4; "
+            "selp.f32 $0, $5, 0f00000000, keep; selp.f32 $1, $6, 0f00000000, keep; }",
+            "=r,=r,r,r,r,r,r", [words, byte_shift, limit, p, dp], dtype=(gl.float32, gl.float32), is_pure=True,
+            pack=1)
+
+    @gluon.jit
     def _dropout_words(key_groups, upper_keys, odd_keys, query_groups, stream, offset, seed_lo, seed_hi,
                        LAYOUT: gl.constexpr):
         """[KEYS, ROWS] uint32 in LAYOUT (S^T's accumulator layout): for each (key, query) pair the
@@ -281,17 +292,17 @@ if gluon is not None:
                 s = warpgroup_mma_wait(1, deps=(s,))
                 if SOFTCAP:
                     capped = _tanh_approx(s * tanh_scale)
-                    p = gl.exp2(capped * softcap_log2 - lse_log2[None, :])
+                    logits = capped * softcap_log2 - lse_log2[None, :]
                 else:
-                    p = gl.exp2(s * qk_log2 - lse_log2[None, :])
-                if CAUSAL:
-                    p = gl.where(queries[None, :] + diag >= keys[:, None], p, 0.0)
+                    logits = s * qk_log2 - lse_log2[None, :]
+                if CAUSAL:  # (masked before the exp2: the mask's predicate dies at once)
+                    logits = gl.where(queries[None, :] + diag >= keys[:, None], logits, float("-inf"))
+                p = gl.exp2(logits)
                 dp = warpgroup_mma_wait(0, deps=(dp,))
                 p_kept = p
                 if DROPOUT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
-                    keep = (words << byte_shift[:, None]) >= limit
-                    p_kept = gl.where(keep, p, 0.0)
-                    dp = gl.where(keep, dp, 0.0) * dropout_scale
+                    p_kept, dp = _drop(words, byte_shift[:, None], limit, p, dp)
+                    dp = dp * dropout_scale
                 ds = p * (dp - delta[None, :])
                 if SOFTCAP:
                     ds = ds * (1.0 - capped * capped)
