@@ -239,6 +239,52 @@ if gluon is not None:
                 i += 1
 
     @gluon.jit
+    def _query_tile(dk, dv, k, v, q_bufs, do_bufs, ready, empty, i, m, keys, Lse, Delta, stats, diag,
+                    qk_log2, tanh_scale, softcap_log2, dropout, stream, S_LAYOUT: gl.constexpr,
+                    OPERAND_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, SOFTCAP: gl.constexpr,
+                    DROPOUT: gl.constexpr):
+        """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i``. MASKED:
+        the tile crosses the causal diagonal."""
+        seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, byte_shift, limit, dropout_scale = \
+            dropout
+        dtype: gl.constexpr = q_bufs.dtype
+        idx = i % STAGES
+        mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+        q = q_bufs.index(idx)
+        do = do_bufs.index(idx)
+        zero_s = gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT)
+        s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        queries = m + gl.arange(0, ROWS, gl.SliceLayout(0, S_LAYOUT))
+        lse_log2 = gl.load(Lse + stats + queries) * LOG2E_
+        delta = gl.load(Delta + stats + queries)
+        if DROPOUT:  # (drawn while the products run)
+            words = _dropout_words(key_groups, upper_keys, odd_keys, (m + call_queries).to(gl.uint32), stream, offset,
+                                   seed_lo, seed_hi, S_LAYOUT)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        if SOFTCAP:
+            capped = _tanh_approx(s * tanh_scale)
+            logits = capped * softcap_log2 - lse_log2[None, :]
+        else:
+            logits = s * qk_log2 - lse_log2[None, :]
+        if MASKED:  # (masked before the exp2: the mask's predicate dies at once)
+            logits = gl.where(queries[None, :] + diag >= keys[:, None], logits, float("-inf"))
+        p = gl.exp2(logits)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        p_kept = p
+        if DROPOUT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
+            p_kept, dp = _drop(words, byte_shift[:, None], limit, p, dp)
+            dp = dp * dropout_scale
+        ds = p * (dp - delta[None, :])
+        if SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
+        dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(idx), count=1)
+        return dk, dv
+
+    @gluon.jit
     def _consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
                   DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
                   qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base, dropout_threshold,
@@ -250,14 +296,12 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
         operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        dtype: gl.constexpr = q_bufs.dtype
         first_key = start_key + WG * KEYS
         keys = first_key + gl.arange(0, KEYS, gl.SliceLayout(1, s_layout))
         k = k_smem.index(WG)
         v = v_smem.index(WG)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        zero_s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
         if DROPOUT:  # the counters of this warpgroup's keys, and where each pair's byte sits in its word
             seed = gl.load(RngState)
             seed_lo = (seed & 0xFFFFFFFF).to(gl.uint32)
@@ -272,44 +316,28 @@ if gluon is not None:
                             + gl.expand_dims(call_keys % 2, 1))  # (+ e: the calls of its own e)
             byte_shift = (24 - 8 * (keys // 8 % 2 * 2 + keys % 2)).to(gl.uint32)
             limit = dropout_threshold.to(gl.uint32) << 24
+        else:
+            seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, byte_shift, limit = (0,) * 9
+        dropout = (seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, byte_shift, limit,
+                   dropout_scale)
+        # query tiles from m_diagonal on see all 64 keys: only those before it take the causal mask
+        m_diagonal = m_lo
+        if CAUSAL:
+            m_diagonal = gl.minimum(gl.maximum(gl.cdiv(first_key + KEYS - 1 - diag, ROWS) * ROWS, m_lo), seqlen_q)
         mbarrier.wait(kv_bar, 0)
         i = 0
         for g in range(GROUP_SIZE):
             stats = stat_base + g * stat_h
-            for m in range(m_lo, seqlen_q, ROWS):
-                idx = i % STAGES
-                mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
-                q = q_bufs.index(idx)
-                do = do_bufs.index(idx)
-                s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                queries = m + gl.arange(0, ROWS, gl.SliceLayout(0, s_layout))
-                lse_log2 = gl.load(Lse + stats + queries) * LOG2E_
-                delta = gl.load(Delta + stats + queries)
-                if DROPOUT:  # (drawn while the products run)
-                    words = _dropout_words(key_groups, upper_keys, odd_keys, (m + call_queries).to(gl.uint32),
-                                           (stream_base + g).to(gl.uint32), offset, seed_lo, seed_hi, s_layout)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                if SOFTCAP:
-                    capped = _tanh_approx(s * tanh_scale)
-                    logits = capped * softcap_log2 - lse_log2[None, :]
-                else:
-                    logits = s * qk_log2 - lse_log2[None, :]
-                if CAUSAL:  # (masked before the exp2: the mask's predicate dies at once)
-                    logits = gl.where(queries[None, :] + diag >= keys[:, None], logits, float("-inf"))
-                p = gl.exp2(logits)
-                dp = warpgroup_mma_wait(0, deps=(dp,))
-                p_kept = p
-                if DROPOUT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
-                    p_kept, dp = _drop(words, byte_shift[:, None], limit, p, dp)
-                    dp = dp * dropout_scale
-                ds = p * (dp - delta[None, :])
-                if SOFTCAP:
-                    ds = ds * (1.0 - capped * capped)
-                dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), operand_layout), do, dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(empty.index(idx), count=1)
+            stream = (stream_base + g).to(gl.uint32)
+            for m in range(m_lo, m_diagonal, ROWS):
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, ready, empty, i, m, keys, Lse, Delta, stats, diag,
+                                     qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout, operand_layout,
+                                     STAGES, CAUSAL, SOFTCAP, DROPOUT)
+                i += 1
+            for m in range(m_diagonal, seqlen_q, ROWS):
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, ready, empty, i, m, keys, Lse, Delta, stats, diag,
+                                     qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout, operand_layout,
+                                     STAGES, False, SOFTCAP, DROPOUT)
                 i += 1
         rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
