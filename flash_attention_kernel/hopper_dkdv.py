@@ -85,6 +85,12 @@ def _causal_bits(options: AttentionOptions) -> int:
     return MASK_RIGHT if options.causal and options.window_left < 0 else 0
 
 
+def _tma_vector(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous, starting on the 16-byte boundary TMA needs."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions, layout: SequenceLayout) -> None:
     """Write dK and dV (softmax_scale applied) of a call ``plan`` accepted; lse and delta are
     (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
@@ -97,13 +103,15 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
                          gl.NVMMASharedLayout.get_default_for([rows, head_dim], element))
         for x, g, rows in zip((q, k, v, dout), geometry, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS))
     ]
+    # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
+    stats = [TensorDescriptor(x, [x.numel()], [1], [QUERY_ROWS], STAT_LAYOUT)
+             for x in (_tma_vector(lse), _tma_vector(delta))]
     softcap = options.softcap
-    stat_b, stat_h = layout.stat_strides(delta)
     _, _, _, rng_state, _, _, _, _, dropout_threshold, dropout_scale = options.kernel_args(lse)
     _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
         *descriptors,
         *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols)),
-        lse, delta, stat_b, stat_h, dk, dv, *layout.strides(dk), *layout.strides(dv),
+        *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
         layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, options.softmax_scale * LOG2E,
         options.softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, options.softmax_scale,
         rng_state, q.shape[2], dropout_threshold, dropout_scale,
@@ -115,6 +123,7 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
 if gluon is not None:
     # TMA's global-to-shared copy under its name in this release
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
     KEYS = gl.constexpr(KEY_ROWS)
     ROWS = gl.constexpr(QUERY_ROWS)
     FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
@@ -217,11 +226,12 @@ if gluon is not None:
             return start_key * 0
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, do_desc, q_rows, do_rows, k_row, v_row, q_col, do_col, k_col, v_col,
-                  q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
-                  kv_bar, ready, empty, m_lo, seqlen_q,
+    def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_rows, do_rows, k_row, v_row, stat_row,
+                  q_col, do_col, k_col, v_col, q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem,
+                  q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, seqlen_q,
                   GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: K and V once, then the (Q, dO) tiles of each query head through the ring."""
+        """One warp: K and V once, then the (Q, dO) tiles of each query head, with their rows' lse and
+        delta, through the ring."""
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         for w in gl.static_range(2):
             _tma_load(k_desc, [k_row + w * KEYS, k_col], kv_bar, k_smem.index(w))
@@ -231,7 +241,10 @@ if gluon is not None:
             for m in range(m_lo, seqlen_q, ROWS):
                 idx = i % STAGES
                 mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
-                mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + 2 * lse_desc.block_type.nbytes)
+                _tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), lse_bufs.index(idx))
+                _tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), delta_bufs.index(idx))
                 _tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], ready.index(idx),
                           q_bufs.index(idx))
                 _tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], ready.index(idx),
@@ -239,7 +252,7 @@ if gluon is not None:
                 i += 1
 
     @gluon.jit
-    def _query_tile(dk, dv, k, v, q_bufs, do_bufs, ready, empty, i, m, keys, Lse, Delta, stats, diag,
+    def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m, keys, diag,
                     qk_log2, tanh_scale, softcap_log2, dropout, stream, S_LAYOUT: gl.constexpr,
                     OPERAND_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, SOFTCAP: gl.constexpr,
                     DROPOUT: gl.constexpr):
@@ -256,8 +269,9 @@ if gluon is not None:
         s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         queries = m + gl.arange(0, ROWS, gl.SliceLayout(0, S_LAYOUT))
-        lse_log2 = gl.load(Lse + stats + queries) * LOG2E_
-        delta = gl.load(Delta + stats + queries)
+        row_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        lse_log2 = lse_bufs.index(idx).load(row_layout) * LOG2E_
+        delta = delta_bufs.index(idx).load(row_layout)
         if DROPOUT:  # (drawn while the products run)
             words = _dropout_words(key_groups, upper_keys, odd_keys, (m + call_queries).to(gl.uint32), stream, offset,
                                    seed_lo, seed_hi, S_LAYOUT)
@@ -285,7 +299,7 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
+    def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
                   DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
                   qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base, dropout_threshold,
                   dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr,
@@ -327,17 +341,16 @@ if gluon is not None:
         mbarrier.wait(kv_bar, 0)
         i = 0
         for g in range(GROUP_SIZE):
-            stats = stat_base + g * stat_h
             stream = (stream_base + g).to(gl.uint32)
             for m in range(m_lo, m_diagonal, ROWS):
-                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, ready, empty, i, m, keys, Lse, Delta, stats, diag,
-                                     qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout, operand_layout,
-                                     STAGES, CAUSAL, SOFTCAP, DROPOUT)
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout,
+                                     operand_layout, STAGES, CAUSAL, SOFTCAP, DROPOUT)
                 i += 1
             for m in range(m_diagonal, seqlen_q, ROWS):
-                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, ready, empty, i, m, keys, Lse, Delta, stats, diag,
-                                     qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout, operand_layout,
-                                     STAGES, False, SOFTCAP, DROPOUT)
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout,
+                                     operand_layout, STAGES, False, SOFTCAP, DROPOUT)
                 i += 1
         rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
@@ -351,7 +364,7 @@ if gluon is not None:
     def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
                      q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                      v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
-                     Lse, Delta, stat_b, stat_h, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn,
                      seqlen_q, diag, qk_log2, tanh_scale, softcap_log2, softmax_scale,
                      RngState, num_heads, dropout_threshold, dropout_scale,
@@ -369,33 +382,34 @@ if gluon is not None:
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, ROWS, HEAD_DIM], do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        lse_bufs = gl.allocate_shared_memory(lse_desc.dtype, [STAGES, ROWS], lse_desc.layout)
+        delta_bufs = gl.allocate_shared_memory(delta_desc.dtype, [STAGES, ROWS], delta_desc.layout)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a buffer
 
-        stat_base = batch.to(gl.int64) * stat_b + head.to(gl.int64) * stat_h
         dk_base = batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
         dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
         stream_base = batch * num_heads + head  # dropout's Philox stream of the group's first head
         # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
+            (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
                          DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
                          qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base,
                          dropout_threshold, dropout_scale, FIRST, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
                          DROPOUT)),
-            (_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, Lse, Delta, stat_base, stat_h,
+            (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
                          DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
                          qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base,
                          dropout_threshold, dropout_scale, SECOND, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
                          DROPOUT)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc,
+            (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                          batch * k_batch_rows + kv_head * k_head_rows + start_key,
-                         batch * v_batch_rows + kv_head * v_head_rows + start_key,
+                         batch * v_batch_rows + kv_head * v_head_rows + start_key, batch * num_heads + head,
                          head * q_head_cols, head * do_head_cols, kv_head * k_head_cols, kv_head * v_head_cols,
                          q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
-                         kv_bar, ready, empty, m_lo, seqlen_q, GROUP_SIZE, STAGES)),
+                         lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, seqlen_q, GROUP_SIZE, STAGES)),
         ], [4, 1], [REGISTERS, 24])

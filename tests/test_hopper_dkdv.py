@@ -77,10 +77,11 @@ def test_compiles_for_hopper(fa, head_dim, group, causal, softcap, dropout):
     module = _module(fa)
     shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
     descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
+    stats = f"tensordesc<fp32[64],{module.STAT_LAYOUT!r}>"
     geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
     signature = dict(
         q_desc=descriptor, k_desc=descriptor, v_desc=descriptor, do_desc=descriptor, **{n: "i32" for n in geometry},
-        Lse="*fp32", Delta="*fp32", stat_b="i64", stat_h="i64", DK="*bf16", DV="*bf16",
+        lse_desc=stats, delta_desc=stats, DK="*bf16", DV="*bf16",
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
         seqlen_q="i32", diag="i32", qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
         RngState="*i64", num_heads="i32", dropout_threshold="i32", dropout_scale="fp32",
