@@ -6,22 +6,25 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
 (benchmarks/NOTES.md, v17). This kernel takes FlashAttention-3's structure instead:
 
 * one program per 128 keys of one KV head (dense batches); K and V stay in shared memory;
-* a producer warp streams the (Q, dO) tiles of 64 query rows, for every query head that shares the
-  KV head, through a ring of STAGES shared-memory buffers by TMA, with a "ready" and an "empty"
-  mbarrier per buffer;
+* a producer warp streams the (Q, dO) tiles of 64 query rows, with those rows' lse and delta, for
+  every query head that shares the KV head, through a ring of STAGES shared-memory buffers by TMA,
+  with a "ready" and an "empty" mbarrier per buffer;
 * two consumer warpgroups, each owning 64 of the keys, read the ring independently. Per tile:
   S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory, both in flight at once), P^T =
   exp2(S^T - lse) and dS^T = P^T (dP^T - delta) (times tanh' under a softcap) in registers, then
   dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands. Nothing holds the two
-  warpgroups in step, so one's per-score work runs while the other's products do.
+  warpgroups in step, so one's per-score work runs while the other's products do. Only the query
+  tiles that cross the causal diagonal take the mask (a loop of their own).
+* dropout: each consumer redraws its pairs' keep bits from Philox while its S^T and dP^T products
+  run, bit for bit scores.dropout_keep's draws (``_dropout_words``); dV takes the kept P^T (1 /
+  (1 - p) applied once at the end), dS^T the kept, scaled dP^T.
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end). ``plan`` decides where it runs: Hopper under a
 Triton version checked here, dense bf16/fp16 inputs with head_dim 64 or 128 whose tensors split
 into TMA rows (``launch.RowGeometry``), full tiles (seqlen_q a multiple of 64, seqlen_k of
-128: a ragged tile would read the next slice's rows), and no option beyond causal, softcap and
-sinks; by default only causal or softcapped calls, where it was measured faster (``plan``).
-Everything else takes the tl kernel.
+128: a ragged tile would read the next slice's rows), and no option beyond causal, softcap, sinks
+and dropout. Everything else takes the tl kernel.
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
 ``async_load`` from 3.9), so the module binds the name it finds and ``CHECKED_VERSIONS`` lists the
@@ -58,16 +61,15 @@ def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, *
     """Whether the dK/dV of this call runs here rather than in the tl kernel (see the module
     docstring). ``tensors``: q, k, v, dout.
 
-    Unset, FLASH_ATTENTION_GLUON takes the calls where this kernel was measured faster (NOTES v19:
-    causal ones, and softcapped ones; a plain non-causal call runs the tl kernel as fast); "1"
-    takes every call the kernel can run, under any Triton; "0" none."""
+    FLASH_ATTENTION_GLUON unset: every call the kernel can run, under a Triton it was checked
+    with (it is faster than the tl kernel on each, NOTES v20); "1": also under other Tritons;
+    "0": none."""
     if gluon is None or interpreted or any(is_fake(x) for x in tensors):  # (traced: the graph keeps the tl kernels)
         return False
     setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
     if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
         return False
-    if setting != "1" and not (triton.__version__.startswith(CHECKED_VERSIONS)
-                               and (options.causal or options.softcap > 0 or options.dropout_p > 0)):
+    if setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS):
         return False
     q = tensors[0]
     if (options.variant & ~(SOFTCAP | SINKS | DROPOUT) & ~_causal_bits(options) or layout.is_varlen
@@ -212,7 +214,8 @@ if gluon is not None:
         r0, r1, r2, r3 = _philox(key_groups, query_groups, stream, offset, seed_lo, seed_hi)
         words = gl.join(_with_neighbours_calls(gl.where(upper_keys, r1, r0), odd_keys),  # [kc, qc, h]
                         _with_neighbours_calls(gl.where(upper_keys, r3, r2), odd_keys))
-        words = gl.reshape(gl.join(words, words), [4, 8, 4, 8, 2, 2])  # [key // 16, key % 8, a, r, h, key // 8 % 2]
+        # [key // 16, key % 8, query // 16, query % 8, h, key // 8 % 2] -> S^T's [key, query]
+        words = gl.reshape(gl.join(words, words), [4, 8, 4, 8, 2, 2])
         words = gl.reshape(gl.permute(words, (0, 5, 1, 2, 4, 3)), [KEYS, ROWS])
         return gl.convert_layout(words, LAYOUT)
 

@@ -1,14 +1,15 @@
 """The Gluon dK/dV kernel for Hopper (flash_attention_kernel/hopper_dkdv.py).
 
 On a Hopper GPU under a checked Triton, dense backward calls with full tiles (seqlen_q a multiple
-of 64, seqlen_k of 128), head dim 64 or 128, bf16/fp16 and no options beyond causal, softcap and
-sinks take it instead of the tl dK/dV kernel. The cases cross what the kernel handles itself:
-causal rows aligned bottom-right (seqlen_q above and below seqlen_k), GQA groups streamed through
-one ring, heads side by side or one under another in the TMA matrix view, packed qkv, a softcap
-past its cap, sinks in the lse, dropout's keep mask redrawn from Philox (it must be the forward's,
-bit for bit, or the gradients miss the bar by far). Each meets the float64 bar, and FLASH_ATTENTION_GLUON=0 (the tl
-kernel) agrees to rounding. On the CPU the kernel cannot run, so the CPU tests check the decision
-and compile the kernel for sm_90 under the installed Triton (its Gluon API changes by release).
+of 64, seqlen_k of 128), head dim 64 or 128, bf16/fp16 and no options beyond causal, softcap,
+sinks and dropout take it instead of the tl dK/dV kernel. The cases cross what the kernel handles
+itself: causal rows aligned bottom-right (seqlen_q above and below seqlen_k), GQA groups streamed
+through one ring, heads side by side or one under another in the TMA matrix view, packed qkv, a
+softcap past its cap, sinks in the lse, dropout's keep mask redrawn from Philox (it must be the
+forward's, bit for bit, or the gradients miss the bar by far). Each meets the float64 bar, and
+FLASH_ATTENTION_GLUON=0 (the tl kernel) agrees to rounding. On the CPU the kernel cannot run, so
+the CPU tests check the decision and compile the kernel for sm_90 under the installed Triton (its
+Gluon API changes by release).
 """
 
 import math
@@ -48,9 +49,9 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert _taken(fa, q, k, v, causal=True, softcap=30.0, sinks=torch.zeros(4, device=q.device)) == \
         (ON_HOPPER and checked)
     assert _taken(fa, q, k, v, dropout_p=0.1) == (ON_HOPPER and checked)
-    assert not _taken(fa, q, k, v)  # plain non-causal: the tl kernel is as fast
+    assert _taken(fa, q, k, v) == (ON_HOPPER and checked)
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")  # any Triton; still only where the kernel can run
-    assert _taken(fa, q, k, v) == ON_HOPPER
+    assert _taken(fa, q, k, v) == ON_HOPPER and _taken(fa, q, k, v, dropout_p=0.1) == ON_HOPPER
     assert not _taken(fa, q[:, :120], k, v)  # a partial query tile
     assert not _taken(fa, q, k[:, :192], v[:, :192])  # a partial key block
     assert not _taken(fa, *(x[..., :96].contiguous() for x in (q, k, v)))  # head dim 96
