@@ -6,7 +6,7 @@ checks that the two kernels' dK and dV agree to bf16 rounding, then prints the t
 dK/dV kernel (TFLOP/s on its 4 products over the visible pairs, triton.testing.do_bench medians)
 and of the whole backward with each. The tl kernel is timed as the backward with the dQ kernel's
 launches replaced by nothing (its delta then goes unread), so both sides include the same
-launch overhead. Hopper GPU only (NOTES v19).
+launch overhead. Hopper GPU only (NOTES v19, v20).
 
     python3 benchmarks/bench_dkdv.py [--seqlens 4096 16384] [--head-dim 128] [--softcap 50] [--dropout 0.1]
 """

@@ -16,7 +16,7 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   warpgroups in step, so one's per-score work runs while the other's products do. Only the query
   tiles that cross the causal diagonal take the mask (a loop of their own).
 * dropout: each consumer redraws its pairs' keep bits from Philox while its S^T and dP^T products
-  run, bit for bit scores.dropout_keep's draws (``_dropout_words``); dV takes the kept P^T (1 /
+  run, bit for bit scores.dropout_keep's draws (``hopper_dropout``); dV takes the kept P^T (1 /
   (1 - p) applied once at the end), dS^T the kept, scaled dP^T.
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
@@ -45,10 +45,11 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 except ImportError:  # a Triton without Gluon: the tl kernel serves every call
     gluon = None
 
-# Triton releases under which this kernel ran the GPU suite (benchmarks/NOTES.md, v19)
+# Triton releases under which this kernel ran the GPU suite (benchmarks/NOTES.md, v19, v20)
 CHECKED_VERSIONS = ("3.6.", "3.9.")
 # Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements)
 STAGES = {64: 4, 128: 3}
@@ -137,88 +138,6 @@ if gluon is not None:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
 
-    # Philox-4x32 (tl.philox's constants and 7 rounds: scores.dropout_keep's draws)
-    PHILOX_ROUNDS = gl.constexpr(7)
-    ROUND_A, ROUND_B = gl.constexpr(0xD2511F53), gl.constexpr(0xCD9E8D57)
-    KEY_A, KEY_B = gl.constexpr(0x9E3779B9), gl.constexpr(0xBB67AE85)
-    # Dropout's Philox calls in a consumer's [64 keys, 64 queries] S^T tile (see _dropout_words):
-    # OWN_CALLS holds the calls a thread makes, [32 keys with key % 16 < 8, 16 (query // 16, query
-    # % 8 // 2)], 4 per thread; CALLS the 8 calls a thread needs, [32 keys, 32 queries with query %
-    # 16 < 8]. Row kc is key 16 (kc // 8) + kc % 8 in both, and each is S^T's accumulator layout
-    # without the register bits of key + 8 and query + 8 (and, in OWN_CALLS, of query + 1).
-    OWN_CALLS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 16]))
-    CALLS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 32]))
-
-    @gluon.jit
-    def _philox(c0, c1, c2, c3, k0, k1):
-        """Philox-4x32-7 of counters (c0, c1, c2, c3) and key (k0, k1), uint32 tensors or scalars that
-        broadcast (a counter constant along a dimension costs nothing there in the first rounds)."""
-        for _ in gl.static_range(PHILOX_ROUNDS):
-            c0, c1, c2, c3 = (gl.umulhi(c2, ROUND_B) ^ c1 ^ k0, c2 * ROUND_B,
-                              gl.umulhi(c0, ROUND_A) ^ c3 ^ k1, c0 * ROUND_A)
-            k0 = k0 + KEY_A
-            k1 = k1 + KEY_B
-        return c0, c1, c2, c3
-
-    @gluon.jit
-    def _spread_rows(index):
-        """Row of the S^T tile of call row ``index``: 16 (index // 8) + index % 8."""
-        return index // 8 * 16 + index % 8
-
-    @gluon.jit
-    def _from_key_neighbour(x):
-        """x as the thread holding the neighbouring keys (key ^ 1: lane ^ 4 in S^T's layout) has it."""
-        return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [x],
-                                         dtype=gl.uint32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _with_neighbours_calls(own, odd_keys):
-        """[32, 32] in CALLS (column qc = query // 16 * 8 + query % 8) from a word of a thread's own
-        calls [32, 16] in OWN_CALLS and the same word of its neighbour's calls."""
-        theirs = _from_key_neighbour(own)
-        even_queries = gl.where(odd_keys, theirs, own)
-        odd_queries = gl.where(odd_keys, own, theirs)
-        return gl.reshape(gl.join(even_queries, odd_queries), [KEYS // 2, ROWS // 2])
-
-    @gluon.jit
-    def _drop(words, byte_shift, limit, p, dp):
-        """(p, dp) where the pair's draw (the byte of ``words`` that ``byte_shift`` moves to the top)
-        reaches ``limit``, else (0, 0). One asm block, so that the compiler keeps the select
-        before p's conversion to 16 bits (after it, it selects each half separately)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred keep; .reg .b32 draw; shl.b32 draw, $2, $3; setp.ge.u32 keep, draw, $4; "
-            "selp.f32 $0, $5, 0f00000000, keep; selp.f32 $1, $6, 0f00000000, keep; }",
-            "=r,=r,r,r,r,r,r", [words, byte_shift, limit, p, dp], dtype=(gl.float32, gl.float32), is_pure=True,
-            pack=1)
-
-    @gluon.jit
-    def _dropout_words(key_groups, upper_keys, odd_keys, query_groups, stream, offset, seed_lo, seed_hi,
-                       LAYOUT: gl.constexpr):
-        """[KEYS, ROWS] uint32 in LAYOUT (S^T's accumulator layout): for each (key, query) pair the
-        Philox word that holds its 8-bit draw, as scores.dropout_keep maps them: pair (query 16 a +
-        8 h + r, key 32 t + 8 j + 2 c + e) draws byte 8 h + 2 j + e of the call at counter
-        (4 t + c, 16 a + r, stream, offset), that is byte 2 (j % 2) + e of word 2 h + j // 2.
-
-        A thread of S^T holds keys r and r + 8 (j and j + 1 of one c and e) and queries 2 c' + e' +
-        8 i (i < 8) of each 16 x 64 block: it needs 8 calls (query groups 16 (i // 2) + 2 c' + e'),
-        4 pairs of each. The thread holding the neighbouring keys (e ^ 1) needs the same 8, so each
-        makes the 4 of its own e' = e (OWN_CALLS; query_groups already holds + e) and takes the
-        other 4 from its neighbour by a shuffle. Of each call it keeps words j // 2 and 2 + j // 2
-        (h = 0, 1; j // 2 = (key // 16) % 2 is the same for both its keys). The calls, now in CALLS,
-        and their h and j % 2 are joined back in as S^T's register bits, so the final conversion
-        only renames registers."""
-        r0, r1, r2, r3 = _philox(key_groups, query_groups, stream, offset, seed_lo, seed_hi)
-        words = gl.join(_with_neighbours_calls(gl.where(upper_keys, r1, r0), odd_keys),  # [kc, qc, h]
-                        _with_neighbours_calls(gl.where(upper_keys, r3, r2), odd_keys))
-        # [key // 16, key % 8, query // 16, query % 8, h, key // 8 % 2] -> S^T's [key, query]
-        words = gl.reshape(gl.join(words, words), [4, 8, 4, 8, 2, 2])
-        words = gl.reshape(gl.permute(words, (0, 5, 1, 2, 4, 3)), [KEYS, ROWS])
-        return gl.convert_layout(words, LAYOUT)
-
     @gluon.jit
     def _first_query_tile(start_key, diag, CAUSAL: gl.constexpr):
         """The first query tile that sees any of keys [start_key, ...): causal row i sees keys
@@ -256,13 +175,11 @@ if gluon is not None:
 
     @gluon.jit
     def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m, keys, diag,
-                    qk_log2, tanh_scale, softcap_log2, dropout, stream, S_LAYOUT: gl.constexpr,
+                    qk_log2, tanh_scale, softcap_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
                     OPERAND_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, SOFTCAP: gl.constexpr,
                     DROPOUT: gl.constexpr):
         """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i``. MASKED:
         the tile crosses the causal diagonal."""
-        seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, byte_shift, limit, dropout_scale = \
-            dropout
         dtype: gl.constexpr = q_bufs.dtype
         idx = i % STAGES
         mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
@@ -276,8 +193,7 @@ if gluon is not None:
         lse_log2 = lse_bufs.index(idx).load(row_layout) * LOG2E_
         delta = delta_bufs.index(idx).load(row_layout)
         if DROPOUT:  # (drawn while the products run)
-            words = _dropout_words(key_groups, upper_keys, odd_keys, (m + call_queries).to(gl.uint32), stream, offset,
-                                   seed_lo, seed_hi, S_LAYOUT)
+            words = dropout_words(dropout, m, stream, S_LAYOUT)
         s = warpgroup_mma_wait(1, deps=(s,))
         if SOFTCAP:
             capped = _tanh_approx(s * tanh_scale)
@@ -290,7 +206,7 @@ if gluon is not None:
         dp = warpgroup_mma_wait(0, deps=(dp,))
         p_kept = p
         if DROPOUT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
-            p_kept, dp = _drop(words, byte_shift[:, None], limit, p, dp)
+            p_kept, dp = drop_unkept(dropout, words, p, dp)
             dp = dp * dropout_scale
         ds = p * (dp - delta[None, :])
         if SOFTCAP:
@@ -319,24 +235,9 @@ if gluon is not None:
         v = v_smem.index(WG)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        if DROPOUT:  # the counters of this warpgroup's keys, and where each pair's byte sits in its word
-            seed = gl.load(RngState)
-            seed_lo = (seed & 0xFFFFFFFF).to(gl.uint32)
-            seed_hi = (seed >> 32).to(gl.uint32)
-            offset = (gl.load(RngState + 1) & 0xFFFFFFFF).to(gl.uint32)
-            call_keys = first_key + _spread_rows(gl.arange(0, KEYS // 2, gl.SliceLayout(1, OWN_CALLS)))
-            key_groups = gl.expand_dims((call_keys // 32 * 4 + call_keys % 8 // 2).to(gl.uint32), 1)
-            upper_keys = gl.expand_dims(call_keys // 16 % 2 == 1, 1)
-            odd_keys = gl.expand_dims(call_keys % 2 == 1, 1)
-            call_index = gl.arange(0, ROWS // 4, gl.SliceLayout(0, OWN_CALLS))  # 4 (query // 16) + query % 8 // 2
-            call_queries = (gl.expand_dims(call_index // 4 * 16 + call_index % 4 * 2, 0)
-                            + gl.expand_dims(call_keys % 2, 1))  # (+ e: the calls of its own e)
-            byte_shift = (24 - 8 * (keys // 8 % 2 * 2 + keys % 2)).to(gl.uint32)
-            limit = dropout_threshold.to(gl.uint32) << 24
-        else:
-            seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, byte_shift, limit = (0,) * 9
-        dropout = (seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, byte_shift, limit,
-                   dropout_scale)
+        dropout = 0
+        if DROPOUT:  # the Philox key and counters of this warpgroup's keys
+            dropout = dropout_state(RngState, dropout_threshold, first_key, keys)
         # query tiles from m_diagonal on see all 64 keys: only those before it take the causal mask
         m_diagonal = m_lo
         if CAUSAL:
@@ -347,13 +248,13 @@ if gluon is not None:
             stream = (stream_base + g).to(gl.uint32)
             for m in range(m_lo, m_diagonal, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
-                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout,
-                                     operand_layout, STAGES, CAUSAL, SOFTCAP, DROPOUT)
+                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, dropout_scale, stream,
+                                     s_layout, operand_layout, STAGES, CAUSAL, SOFTCAP, DROPOUT)
                 i += 1
             for m in range(m_diagonal, seqlen_q, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
-                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, stream, s_layout,
-                                     operand_layout, STAGES, False, SOFTCAP, DROPOUT)
+                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, dropout_scale, stream,
+                                     s_layout, operand_layout, STAGES, False, SOFTCAP, DROPOUT)
                 i += 1
         rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))

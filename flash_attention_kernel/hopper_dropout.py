@@ -1,0 +1,132 @@
+"""Dropout's keep mask in Gluon, for the transposed score tiles of the Hopper dK/dV kernel
+(hopper_dkdv.py).
+
+Every kernel draws dropout's bits from Philox-4x32-7 (scores.dropout_keep): one call per 16
+(query, key) pairs, keyed by the seed at counter (key group, query group, stream, offset), and a
+pair is kept iff its 8-bit draw reaches round(p * 256). The tl kernels call tl.philox; Gluon has
+none, so ``_philox`` is written here from the same constants. A warpgroup of the dK/dV kernel
+holds a [64 keys, 64 queries] S^T tile in the wgmma accumulator layout, where a call's 16 pairs
+lie on 4 threads (the forward's tiles hold them on one), so the calls are arranged around that
+layout: each thread makes 4 calls per tile and takes 4 more from its neighbour lane
+(``dropout_words``). ``dropout_state`` holds a warpgroup's constants, ``drop_unkept`` zeroes P and
+dP where the draw stays under the threshold. tests/test_hopper_dkdv.py checks the result bit for
+bit against the mask the forward returns.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+TILE = gl.constexpr(64)  # keys (rows) and queries (columns) of a consumer warpgroup's S^T tile
+
+# Philox-4x32: tl.philox's constants, 7 rounds (scores.dropout_keep)
+PHILOX_ROUNDS = gl.constexpr(7)
+ROUND_A, ROUND_B = gl.constexpr(0xD2511F53), gl.constexpr(0xCD9E8D57)
+KEY_A, KEY_B = gl.constexpr(0x9E3779B9), gl.constexpr(0xBB67AE85)
+
+# The calls of an S^T tile. OWN_CALLS: the calls a thread makes, [32 keys with key % 16 < 8,
+# 16 (query // 16, query % 8 // 2)], 4 per thread. CALLS: the 8 calls a thread needs, [32 keys,
+# 32 queries with query % 16 < 8]. Row kc is key 16 (kc // 8) + kc % 8 in both; each is S^T's
+# accumulator layout without the register bits of key + 8 and query + 8 (and, in OWN_CALLS, with
+# query + 1 moved from a register to the lane bit of key + 1).
+OWN_CALLS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 16]))
+CALLS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 32]))
+
+
+@gluon.jit
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox-4x32-7 of counters (c0, c1, c2, c3) and key (k0, k1): uint32 tensors or scalars that
+    broadcast (a counter constant along a dimension costs nothing there in the first rounds)."""
+    for _ in gl.static_range(PHILOX_ROUNDS):
+        c0, c1, c2, c3 = (gl.umulhi(c2, ROUND_B) ^ c1 ^ k0, c2 * ROUND_B,
+                          gl.umulhi(c0, ROUND_A) ^ c3 ^ k1, c0 * ROUND_A)
+        k0 = k0 + KEY_A
+        k1 = k1 + KEY_B
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _spread_rows(index):
+    """Row of the S^T tile of call row ``index``: 16 (index // 8) + index % 8."""
+    return index // 8 * 16 + index % 8
+
+
+@gluon.jit
+def _from_key_neighbour(x):
+    """x as the thread holding the neighbouring keys (key ^ 1: lane ^ 4 in S^T's layout) has it."""
+    return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [x],
+                                     dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _with_neighbours_calls(own, odd_keys):
+    """[32, 32] in CALLS (column qc = query // 16 * 8 + query % 8) from one word of a thread's own
+    calls, [32, 16] in OWN_CALLS, and the same word of its neighbour's calls."""
+    theirs = _from_key_neighbour(own)
+    even_queries = gl.where(odd_keys, theirs, own)
+    odd_queries = gl.where(odd_keys, own, theirs)
+    return gl.reshape(gl.join(even_queries, odd_queries), [TILE // 2, TILE // 2])
+
+
+@gluon.jit
+def dropout_state(RngState, threshold, first_key, keys):
+    """A consumer warpgroup's dropout constants for keys [first_key, first_key + 64) (``keys``: the
+    tile's key indices in S^T's row layout): the Philox key and offset (RngState: seed, offset),
+    the counters of its calls, where each pair's byte sits in its word, and the threshold
+    (round(p * 256)) in a word's top byte."""
+    seed = gl.load(RngState)
+    seed_lo = (seed & 0xFFFFFFFF).to(gl.uint32)
+    seed_hi = (seed >> 32).to(gl.uint32)
+    offset = (gl.load(RngState + 1) & 0xFFFFFFFF).to(gl.uint32)
+    call_keys = first_key + _spread_rows(gl.arange(0, TILE // 2, gl.SliceLayout(1, OWN_CALLS)))
+    key_groups = gl.expand_dims((call_keys // 32 * 4 + call_keys % 8 // 2).to(gl.uint32), 1)
+    upper_keys = gl.expand_dims(call_keys // 16 % 2 == 1, 1)
+    odd_keys = gl.expand_dims(call_keys % 2 == 1, 1)
+    call_index = gl.arange(0, TILE // 4, gl.SliceLayout(0, OWN_CALLS))  # 4 (query // 16) + query % 8 // 2
+    call_queries = (gl.expand_dims(call_index // 4 * 16 + call_index % 4 * 2, 0)
+                    + gl.expand_dims(call_keys % 2, 1))  # (+ e: the calls of the thread's own e)
+    byte_shift = (24 - 8 * (keys // 8 % 2 * 2 + keys % 2)).to(gl.uint32)  # (the pair's byte to the top)
+    return (seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, byte_shift,
+            threshold.to(gl.uint32) << 24)
+
+
+@gluon.jit
+def dropout_words(state, m, stream, LAYOUT: gl.constexpr):
+    """[64, 64] uint32 in LAYOUT (S^T's accumulator layout) for query rows [m, m + 64) of Philox
+    stream ``stream`` (batch * heads + head): for each (key, query) pair, the word that holds its
+    8-bit draw. scores.dropout_keep's mapping: pair (query 16 a + 8 h + r, key 32 t + 8 j + 2 c +
+    e) draws byte 8 h + 2 j + e of the call at counter (4 t + c, 16 a + r, stream, offset), that is
+    byte 2 (j % 2) + e of word 2 h + j // 2.
+
+    A thread of S^T holds keys r and r + 8 (j and j + 1 of one c and e) and queries 2 c' + e' +
+    8 i (i < 8) of each 16 x 64 block: it needs 8 calls (query groups 16 (i // 2) + 2 c' + e'),
+    4 pairs of each. The thread holding the neighbouring keys (e ^ 1) needs the same 8, so each
+    makes the 4 with e' = its e (OWN_CALLS) and takes the other 4 from its neighbour by a
+    shuffle. Of each call it keeps words j // 2 and 2 + j // 2 (h = 0, 1; j // 2 = (key // 16) % 2
+    is the same for both its keys). The calls, then in CALLS, and their h and j % 2 are joined back
+    in as S^T's register bits, so the final conversion only renames registers."""
+    seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, _, _ = state
+    r0, r1, r2, r3 = _philox(key_groups, (m + call_queries).to(gl.uint32), stream, offset, seed_lo, seed_hi)
+    words = gl.join(_with_neighbours_calls(gl.where(upper_keys, r1, r0), odd_keys),  # [kc, qc, h]
+                    _with_neighbours_calls(gl.where(upper_keys, r3, r2), odd_keys))
+    # [key // 16, key % 8, query // 16, query % 8, h, key // 8 % 2] -> S^T's [key, query]
+    words = gl.reshape(gl.join(words, words), [4, 8, 4, 8, 2, 2])
+    words = gl.reshape(gl.permute(words, (0, 5, 1, 2, 4, 3)), [TILE, TILE])
+    return gl.convert_layout(words, LAYOUT)
+
+
+@gluon.jit
+def drop_unkept(state, words, p, dp):
+    """(p, dp) where the pair's draw (its byte of ``words``) reaches the threshold, else (0, 0).
+    One asm block, so that the compiler keeps the select before p's conversion to 16 bits (moved
+    after it, it selects each half on its own)."""
+    byte_shift = state[7]
+    limit = state[8]
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred keep; .reg .b32 draw; shl.b32 draw, $2, $3; setp.ge.u32 keep, draw, $4; "
+        "selp.f32 $0, $5, 0f00000000, keep; selp.f32 $1, $6, 0f00000000, keep; }",
+        "=r,=r,r,r,r,r,r", [words, byte_shift[:, None], limit, p, dp], dtype=(gl.float32, gl.float32),
+        is_pure=True, pack=1)
