@@ -164,7 +164,7 @@ if gluon is not None:
                 idx = i % STAGES
                 mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
                 mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                + 2 * lse_desc.block_type.nbytes)
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
                 _tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), lse_bufs.index(idx))
                 _tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), delta_bufs.index(idx))
                 _tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], ready.index(idx),
@@ -188,8 +188,8 @@ if gluon is not None:
         zero_s = gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT)
         s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        queries = m + gl.arange(0, ROWS, gl.SliceLayout(0, S_LAYOUT))
         row_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        queries = m + gl.arange(0, ROWS, row_layout)
         lse_log2 = lse_bufs.index(idx).load(row_layout) * LOG2E_
         delta = delta_bufs.index(idx).load(row_layout)
         if DROPOUT:  # (drawn while the products run)
@@ -220,7 +220,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
                   DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                  qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base, dropout_threshold,
+                  qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, first_row, dropout_threshold,
                   dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT: gl.constexpr):
         """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over every query tile."""
@@ -245,7 +245,7 @@ if gluon is not None:
         mbarrier.wait(kv_bar, 0)
         i = 0
         for g in range(GROUP_SIZE):
-            stream = (stream_base + g).to(gl.uint32)
+            stream = (first_row + g).to(gl.uint32)  # dropout's Philox stream: batch * heads + head
             for m in range(m_lo, m_diagonal, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
                                      keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, dropout_scale, stream,
@@ -296,23 +296,24 @@ if gluon is not None:
 
         dk_base = batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
         dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
-        stream_base = batch * num_heads + head  # dropout's Philox stream of the group's first head
+        # the group's first query head as a row of (batch, heads): its lse / delta row, its Philox stream
+        first_row = batch * num_heads + head
         # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
                          DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base,
+                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, first_row,
                          dropout_threshold, dropout_scale, FIRST, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
                          DROPOUT)),
             (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
                          DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, stream_base,
+                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, first_row,
                          dropout_threshold, dropout_scale, SECOND, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
                          DROPOUT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                          batch * k_batch_rows + kv_head * k_head_rows + start_key,
-                         batch * v_batch_rows + kv_head * v_head_rows + start_key, batch * num_heads + head,
+                         batch * v_batch_rows + kv_head * v_head_rows + start_key, first_row,
                          head * q_head_cols, head * do_head_cols, kv_head * k_head_cols, kv_head * v_head_cols,
                          q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
                          lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, seqlen_q, GROUP_SIZE, STAGES)),
