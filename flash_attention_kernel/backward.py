@@ -117,7 +117,7 @@ def _dkdv_query_loop(
                                     DIM_A, DIM_B, MASKED, USE_TMA)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
-            keep_t = dropout_keep(start_m + tl.arange(0, BLOCK_M), start_n, dropout, BLOCK_N, True)
+            keep_t = dropout_keep(start_m + tl.arange(0, BLOCK_M), start_n, dropout, BLOCK_N, True, VARIANT)
             dv_a, dv_b = mma_into_head(tl.where(keep_t, p_t * dropout_scale, 0.0), do_a, do_b, dv_a, dv_b, DIM_B,
                                        PRECISION)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
@@ -207,7 +207,7 @@ def _attn_bwd_dkdv_kernel(
 def _dq_key_loop(
     dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-    offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout, dropout_scale,
+    offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
@@ -225,8 +225,8 @@ def _dq_key_loop(
         p_grad = logits_grad(tl.exp2(s * logit_unit(score, VARIANT) - lse_log2[:, None]), capped, VARIANT)
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
-            dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), dp * dropout_scale, 0.0)
-        ds = p_grad * (dp - delta[:, None])
+            dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), dp, 0.0)
+        ds = p_grad * (dp - delta[:, None])  # (dropout: delta and dQ carry dP's 1 / (1 - p), the kernel's prologue)
         if DIM_B > 0:
             dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
         else:  # dq_b must not be a loop variable here: warp specialisation fails on one left unchanged
@@ -283,6 +283,10 @@ def _attn_bwd_dq_kernel(
                                  start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, HAS_DLSE)
     else:
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
+    if DROPOUT & VARIANT:  # dS = P (keep dP / (1 - p) - delta) = P (keep dP - delta (1 - p)) / (1 - p): the
+        dropout_scale = tl.cast(dropout_scale, tl.float32)  # loop leaves 1 / (1 - p) to the end
+        delta = delta / dropout_scale
+        softmax_scale = softmax_scale * dropout_scale
     k_base, v_base, k_descs, v_descs = kv_sources(
         K, V, batch, kv_head, k_first, tl.num_programs(1) // GROUP_SIZE, seqlen_k, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, K, 0, 0, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE, 0)
@@ -293,18 +297,18 @@ def _attn_bwd_dq_kernel(
     if MASK_LEFT & VARIANT:  # key tiles crossing the window's left edge
         dq_a, dq_b = _dq_key_loop(
             dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-            offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout, dropout_scale,
+            offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
     dq_a, dq_b = _dq_key_loop(
         dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-        offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout, dropout_scale,
+        offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
         BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
         dq_a, dq_b = _dq_key_loop(
             dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
-            offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout, dropout_scale,
+            offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
     store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq_a * softmax_scale,

@@ -87,7 +87,7 @@ def forward_key_loop(
             alpha = tl.exp2(row_max - pivot)
             row_sum = row_sum * alpha + tl.sum(p, 1)
         if DROPOUT & VARIANT:
-            p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), p, 0.0)
+            p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), p, 0.0)
         v_a, v_b = load_kv_tile(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                 MASKED, USE_TMA, PAGE_SIZE)
         if not (FIXED_PIVOT & VARIANT):
@@ -215,7 +215,7 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
             *layout.strides(q), *layout.kv_strides(k), *layout.kv_strides(v), *layout.strides(out),
             *layout.stat_strides(lse), *layout.seqlens(), *options.kernel_args(q),
             GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
-            VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
+            VARIANT=kernel_variant(options, q.dtype, interpreted, forward=True), IS_VARLEN=layout.is_varlen,
             PRECISION=precision_mode(q.dtype, interpreted),
             USE_TMA=plan.tma, WARP_SPECIALIZE=specialized, PAGE_SIZE=layout.page_size,
             **config.launch_args(),

@@ -193,6 +193,8 @@ if gluon is not None:
         lse_log2 = lse_bufs.index(idx).load(row_layout) * LOG2E_
         delta = delta_bufs.index(idx).load(row_layout)
         if DROPOUT:  # (drawn while the products run)
+            rng_state, threshold, first_key = dropout
+            dropout = dropout_state(rng_state, threshold, first_key, keys)
             words = dropout_words(dropout, m, stream, S_LAYOUT)
         s = warpgroup_mma_wait(1, deps=(s,))
         if SOFTCAP:
@@ -235,9 +237,9 @@ if gluon is not None:
         v = v_smem.index(WG)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        dropout = 0
-        if DROPOUT:  # the Philox key and counters of this warpgroup's keys
-            dropout = dropout_state(RngState, dropout_threshold, first_key, keys)
+        # dropout's state is formed again for each tile (even the seed, loaded from L1): held across
+        # the loop, its registers doubled the causal kernel's spills (NOTES v21)
+        dropout = (RngState, dropout_threshold, first_key)
         # query tiles from m_diagonal on see all 64 keys: only those before it take the causal mask
         m_diagonal = m_lo
         if CAUSAL:

@@ -73,10 +73,10 @@ def _with_neighbours_calls(own, odd_keys):
 
 @gluon.jit
 def dropout_state(RngState, threshold, first_key, keys):
-    """A consumer warpgroup's dropout constants for keys [first_key, first_key + 64) (``keys``: the
+    """A consumer warpgroup's dropout state for keys [first_key, first_key + 64) (``keys``: the
     tile's key indices in S^T's row layout): the Philox key and offset (RngState: seed, offset),
     the counters of its calls, where each pair's byte sits in its word, and the threshold
-    (round(p * 256)) in a word's top byte."""
+    (round(p * 256)) in a word's top byte. Cheap enough to form for every tile."""
     seed = gl.load(RngState)
     seed_lo = (seed & 0xFFFFFFFF).to(gl.uint32)
     seed_hi = (seed >> 32).to(gl.uint32)

@@ -15,7 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import (MIN_CAPABILITY, GpuClass, TileConfig, gpu_class, head_dim_chunks, smaller_config, tile_config,
                       warp_specialized_config)
-from .options import ALIBI, FIXED_PIVOT, LOG2E, SINKS, SOFTCAP, TANH_APPROX, AttentionOptions
+from .options import ALIBI, DROPOUT, FIXED_PIVOT, LOG2E, SINKS, SOFTCAP, TANH_APPROX, WIDE_PRODUCTS, AttentionOptions
 
 
 def identity_wrap(kernel):
@@ -280,7 +280,7 @@ def ensure_scratch_allocator() -> None:
 FIXED_PIVOT_MAX_LOG2 = 76.0
 
 
-def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: bool) -> int:
+def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: bool, forward: bool = False) -> int:
     """The VARIANT constexpr of a launch: the options' bits, plus what a softcap's dtype and value
     allow (scores.py):
 
@@ -288,8 +288,12 @@ def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: b
       one special-function op where the exact form costs three; its 2^-11 relative error sits
       below fp16/bf16 rounding). fp32 inputs and the interpreter keep the exact form.
     * FIXED_PIVOT where every logit is bounded (no ALiBi or sinks), P is not fp16 and the softcap
-      is at most FIXED_PIVOT_MAX_LOG2 / log2(e) (about 52.7; Gemma 2 uses 50)."""
+      is at most FIXED_PIVOT_MAX_LOG2 / log2(e) (about 52.7; Gemma 2 uses 50).
+    * WIDE_PRODUCTS where dropout runs compiled in the ``forward`` kernel: Philox's products by
+      inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (NOTES v21)."""
     variant = options.variant
+    if variant & DROPOUT and forward and not interpreted:
+        variant |= WIDE_PRODUCTS
     if options.softcap > 0:
         if dtype != torch.float32 and not interpreted:
             variant |= TANH_APPROX

@@ -64,7 +64,7 @@ def _attn_probs_kernel(
         s, capped = logits(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, (window_left, window_right), score,
                            True, VARIANT)
         p = tl.exp2(s * logit_unit(score, VARIANT) - lse_log2[:, None])
-        p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False), p, p * -1.0)  # (-0.0 for 0, unlike 0 - p)
+        p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), p, p * -1.0)  # (-0.0 for 0, unlike 0 - p)
         ptrs = probs_base + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
         tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
 

@@ -15,6 +15,9 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
 * DROPOUT: a keep mask drawn from Philox, keyed by a seed, an offset and the pair's (batch, head,
   query, key) index, so that every kernel regenerates the same mask whatever its tiling.
 * TANH_APPROX: the softcap's tanh through the GPU's approximate instruction (2-byte inputs).
+* WIDE_PRODUCTS: Philox's 32 x 32-bit products through mul.wide.u32, one instruction for both
+  halves where mul.hi and mul.lo take two (the compiled forward with dropout; elsewhere, and on
+  the interpreter, tl.philox draws the same bits).
 * FIXED_PIVOT: a softcap bounds every logit to [-softcap, softcap], so the forward subtracts a
   constant (``row_start``) instead of the running row max: no max, no rescaling of the
   accumulator. The launcher sets it where the bound keeps every exp2 in fp32's and bf16's normal
@@ -41,6 +44,7 @@ SINKS = tl.constexpr(16)
 DROPOUT = tl.constexpr(32)
 TANH_APPROX = tl.constexpr(64)  # the softcap's tanh through the GPU's tanh.approx.f32 (launch.kernel_variant)
 FIXED_PIVOT = tl.constexpr(128)  # (and its headroom) launch.kernel_variant
+WIDE_PRODUCTS = tl.constexpr(256)  # Philox's products by mul.wide.u32 (launch.kernel_variant)
 PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2^32
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -262,7 +266,47 @@ def _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
-def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
+def _wide_by_a(x):
+    """(high, low) words of x * 0xD2511F53 (Philox's round multiplier A) by one mul.wide.u32."""
+    return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+                                     "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _wide_by_b(x):
+    """(high, low) words of x * 0xCD9E8D57 (Philox's round multiplier B) by one mul.wide.u32."""
+    return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+                                     "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _philox(seed, c0, c1, c2, c3, VARIANT: tl.constexpr):
+    """tl.philox(seed, c0, c1, c2, c3, 7) (32-bit counters): with WIDE_PRODUCTS the same rounds,
+    each product's two halves from one mul.wide.u32 (the first round's operands may be scalars,
+    which the asm does not take; their products are loop-invariant anyway)."""
+    if WIDE_PRODUCTS & VARIANT:
+        seed = seed.to(tl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c0 = c0.to(tl.uint32, bitcast=True)
+        c1 = c1.to(tl.uint32, bitcast=True)
+        c2 = c2.to(tl.uint32, bitcast=True)
+        c3 = c3.to(tl.uint32, bitcast=True)
+        c0, c1, c2, c3 = (tl.umulhi(c2, 0xCD9E8D57) ^ c1 ^ k0, c2 * 0xCD9E8D57,
+                          tl.umulhi(c0, 0xD2511F53) ^ c3 ^ k1, c0 * 0xD2511F53)
+        for _ in tl.static_range(6):
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+            high_b, low_b = _wide_by_b(c2)
+            high_a, low_a = _wide_by_a(c0)
+            c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
+        return c0, c1, c2, c3
+    else:
+        return tl.philox(seed, c0, c1, c2, c3, 7)
+
+
+@triton.jit
+def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr, VARIANT: tl.constexpr):
     """Dropout's keep mask of query rows ``offs_m`` (a tile starting at a multiple of 16) x keys
     [start_n, start_n + BLOCK_N) of one (batch, head): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M]
     with KEYS_FIRST (the dK/dV kernel's transposed tiles).
@@ -290,12 +334,12 @@ def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl
     query_groups = tl.split(tl.permute(tl.reshape(offs_m, [BLOCK_M // 16, 2, 8]), (0, 2, 1)))[0]  # [A, r]: h = 0
     limit = threshold.to(tl.uint32) << 24
     if KEYS_FIRST:
-        r0, r1, r2, r3 = tl.philox(seed, key_groups[:, :, None, None], query_groups[None, None, :, :], stream,
-                                   offset, 7)
+        r0, r1, r2, r3 = _philox(seed, key_groups[:, :, None, None], query_groups[None, None, :, :], stream, offset,
+                                 VARIANT)
         keep = _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
     else:
-        r0, r1, r2, r3 = tl.philox(seed, key_groups[None, None, :, :], query_groups[:, :, None, None], stream,
-                                   offset, 7)
+        r0, r1, r2, r3 = _philox(seed, key_groups[None, None, :, :], query_groups[:, :, None, None], stream, offset,
+                                 VARIANT)
         keep = _keep_by_rows(r0, r1, r2, r3, start_n, limit, BLOCK_M, BLOCK_N, SPAN)
     return keep
 

@@ -51,28 +51,34 @@ def expected_keep():
 
 @triton.jit
 def _keep_kernel(RngState, Out, stream, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KEYS_FIRST: tl.constexpr, KEYS: tl.constexpr):
+                 KEYS_FIRST: tl.constexpr, KEYS: tl.constexpr, VARIANT: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     start_n = tl.program_id(1) * BLOCK_N
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     seed = tl.load(RngState)
     offset = tl.load(RngState + 1).to(tl.uint32)
-    keep = scores.dropout_keep(offs_m, start_n, (seed, stream, offset, threshold), BLOCK_N, KEYS_FIRST)
+    keep = scores.dropout_keep(offs_m, start_n, (seed, stream, offset, threshold), BLOCK_N, KEYS_FIRST, VARIANT)
     if KEYS_FIRST:
         tl.store(Out + offs_m[None, :] * KEYS + offs_n[:, None], keep.to(tl.int8))
     else:
         tl.store(Out + offs_m[:, None] * KEYS + offs_n[None, :], keep.to(tl.int8))
 
 
+# the compiled kernels' Philox takes its products by mul.wide.u32 (inline asm: not on the interpreter)
+PHILOX_FORMS = [scores.DROPOUT] + ([scores.DROPOUT | scores.WIDE_PRODUCTS] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("variant", PHILOX_FORMS, ids=["tl_philox", "wide_products"][:len(PHILOX_FORMS)])
 @pytest.mark.parametrize("keys_first", [False, True], ids=["rows_first", "keys_first"])
 @pytest.mark.parametrize("block_m", [16, 64], ids=["m16", "m64"])
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
-def test_draws_follow_the_mapping_in_every_tiling(block_n, block_m, keys_first):
+def test_draws_follow_the_mapping_in_every_tiling(block_n, block_m, keys_first, variant):
     rng_state = torch.tensor([SEED, OFFSET], dtype=torch.int64, device=DEVICE)
     out = torch.full((QUERIES, KEYS), -1, dtype=torch.int8, device=DEVICE)  # poisoned
     _keep_kernel[(QUERIES // block_m, KEYS // block_n)](rng_state, out, STREAM, THRESHOLD, BLOCK_M=block_m,
-                                                        BLOCK_N=block_n, KEYS_FIRST=keys_first, KEYS=KEYS)
+                                                        BLOCK_N=block_n, KEYS_FIRST=keys_first, KEYS=KEYS,
+                                                        VARIANT=variant)
     expected = expected_keep()
     assert torch.equal(out.cpu().bool(), expected) and (out >= 0).all()
     assert abs(1 - expected.float().mean().item() - THRESHOLD / 256) < 0.03  # ~10 % dropped
