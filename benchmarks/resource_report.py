@@ -23,7 +23,7 @@ Usage: python benchmarks/resource_report.py [--arch 90] [--variant causal,softca
        with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
        loop, which reads through descriptors too; --arch: compute capability as one number (75, 80,
        86, 89, 90, 100, 120); --variant: the options compiled in, any of causal, window, softcap,
-       alibi, sinks, dropout, tanh_approx; --ptx: also write each kernel's PTX, without its debug
+       alibi, sinks, dropout, tanh_approx, wide_products; --ptx: also write each kernel's PTX, without its debug
        sections and line records, to DIR, so that two trees' kernels can be compared with diff:
        identical files mean identical plain kernels)
        python benchmarks/resource_report.py --table [sm90 sm80 sm86 sm75] [--jobs 2]
@@ -57,7 +57,8 @@ SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_al
 FLOAT_ARGS = ("softmax_scale", "score_scale", "softcap_log2", "dropout_scale")
 VARIANT_BITS = {"window": options.MASK_LEFT | options.MASK_RIGHT, "causal": options.MASK_RIGHT,
                 "softcap": options.SOFTCAP, "alibi": options.ALIBI, "sinks": options.SINKS, "dropout": options.DROPOUT,
-                "tanh_approx": options.TANH_APPROX, "fixed_pivot": options.FIXED_PIVOT}
+                "tanh_approx": options.TANH_APPROX, "fixed_pivot": options.FIXED_PIVOT,
+                "wide_products": options.WIDE_PRODUCTS}
 
 
 def _signature(kernel, dtype, constexprs):
@@ -155,7 +156,10 @@ class TableEntry:
         tanh = options.TANH_APPROX if self.dtype != "fp32" else 0
         if self.kernel == "decode":  # (no dropout in inference)
             return FULL_VARIANT & ~options.DROPOUT | tanh
-        return (_OPTIONS if self.specialized else FULL_VARIANT) | tanh
+        variant = (_OPTIONS if self.specialized else FULL_VARIANT) | tanh
+        if self.kernel == "fwd" and variant & options.DROPOUT:  # (as launch.kernel_variant sets it)
+            variant |= options.WIDE_PRODUCTS
+        return variant
 
     def compile(self) -> dict:
         c = self.config

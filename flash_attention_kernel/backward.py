@@ -19,8 +19,8 @@ the gradients are
 * ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
   tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
   in registers, never by expanding K/V in memory or by atomics.
-* On Hopper, dense calls with full tiles and no options beyond causal, softcap and sinks take
-  ``hopper_dkdv`` instead: the same math in Gluon, with a producer warp and two consumer
+* On Hopper, dense calls with full tiles and no options beyond causal, softcap, sinks and dropout
+  take ``hopper_dkdv`` instead: the same math in Gluon, with a producer warp and two consumer
   warpgroups that run out of step (FlashAttention-3's structure).
 * ``_attn_bwd_dq_kernel``: one program per BLOCK_M query rows; it streams key tiles like the
   forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).

@@ -194,8 +194,8 @@ if gluon is not None:
         delta = delta_bufs.index(idx).load(row_layout)
         if DROPOUT:  # (drawn while the products run)
             rng_state, threshold, first_key = dropout
-            dropout = dropout_state(rng_state, threshold, first_key, keys)
-            words = dropout_words(dropout, m, stream, S_LAYOUT)
+            state = dropout_state(rng_state, threshold, first_key, keys)
+            words = dropout_words(state, m, stream, S_LAYOUT)
         s = warpgroup_mma_wait(1, deps=(s,))
         if SOFTCAP:
             capped = _tanh_approx(s * tanh_scale)
@@ -208,7 +208,7 @@ if gluon is not None:
         dp = warpgroup_mma_wait(0, deps=(dp,))
         p_kept = p
         if DROPOUT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
-            p_kept, dp = drop_unkept(dropout, words, p, dp)
+            p_kept, dp = drop_unkept(state, words, p, dp)
             dp = dp * dropout_scale
         ds = p * (dp - delta[None, :])
         if SOFTCAP:
@@ -237,8 +237,9 @@ if gluon is not None:
         v = v_smem.index(WG)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        # dropout's state is formed again for each tile (even the seed, loaded from L1): held across
-        # the loop, its registers doubled the causal kernel's spills (NOTES v21)
+        # what dropout_state needs: the state itself is formed again for each tile (even the seed,
+        # loaded from L1), since held across the loop its registers doubled the causal kernel's
+        # spills (NOTES v21)
         dropout = (RngState, dropout_threshold, first_key)
         # query tiles from m_diagonal on see all 64 keys: only those before it take the causal mask
         m_diagonal = m_lo

@@ -16,12 +16,9 @@ bit against the mask the forward returns.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-TILE = gl.constexpr(64)  # keys (rows) and queries (columns) of a consumer warpgroup's S^T tile
+from .scores import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B, PHILOX_ROUNDS
 
-# Philox-4x32: tl.philox's constants, 7 rounds (scores.dropout_keep)
-PHILOX_ROUNDS = gl.constexpr(7)
-ROUND_A, ROUND_B = gl.constexpr(0xD2511F53), gl.constexpr(0xCD9E8D57)
-KEY_A, KEY_B = gl.constexpr(0x9E3779B9), gl.constexpr(0xBB67AE85)
+TILE = gl.constexpr(64)  # keys (rows) and queries (columns) of a consumer warpgroup's S^T tile
 
 # The calls of an S^T tile. OWN_CALLS: the calls a thread makes, [32 keys with key % 16 < 8,
 # 16 (query // 16, query % 8 // 2)], 4 per thread. CALLS: the 8 calls a thread needs, [32 keys,
@@ -41,10 +38,10 @@ def _philox(c0, c1, c2, c3, k0, k1):
     """Philox-4x32-7 of counters (c0, c1, c2, c3) and key (k0, k1): uint32 tensors or scalars that
     broadcast (a counter constant along a dimension costs nothing there in the first rounds)."""
     for _ in gl.static_range(PHILOX_ROUNDS):
-        c0, c1, c2, c3 = (gl.umulhi(c2, ROUND_B) ^ c1 ^ k0, c2 * ROUND_B,
-                          gl.umulhi(c0, ROUND_A) ^ c3 ^ k1, c0 * ROUND_A)
-        k0 = k0 + KEY_A
-        k1 = k1 + KEY_B
+        c0, c1, c2, c3 = (gl.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
+                          gl.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
+        k0 = k0 + PHILOX_KEY_A
+        k1 = k1 + PHILOX_KEY_B
     return c0, c1, c2, c3
 
 

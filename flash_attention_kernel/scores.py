@@ -49,6 +49,12 @@ PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
+# Philox-4x32 as tl.philox runs it: its round multipliers and key increments, 7 rounds
+# (dropout_keep; hopper_dropout's Gluon copy of the rounds takes the same names)
+PHILOX_ROUNDS = tl.constexpr(7)
+PHILOX_ROUND_A, PHILOX_ROUND_B = tl.constexpr(0xD2511F53), tl.constexpr(0xCD9E8D57)
+PHILOX_KEY_A, PHILOX_KEY_B = tl.constexpr(0x9E3779B9), tl.constexpr(0xBB67AE85)
+
 
 @triton.jit
 def _band_tiles(first, last, below, above, length, BLOCK: tl.constexpr, HAS_BELOW: tl.constexpr,
@@ -267,21 +273,23 @@ def _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOC
 
 @triton.jit
 def _wide_by_a(x):
-    """(high, low) words of x * 0xD2511F53 (Philox's round multiplier A) by one mul.wide.u32."""
+    """(high, low) words of x * PHILOX_ROUND_A (spelled out: the asm is a literal) by one
+    mul.wide.u32."""
     return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
                                      "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 
 @triton.jit
 def _wide_by_b(x):
-    """(high, low) words of x * 0xCD9E8D57 (Philox's round multiplier B) by one mul.wide.u32."""
+    """(high, low) words of x * PHILOX_ROUND_B (spelled out: the asm is a literal) by one
+    mul.wide.u32."""
     return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
                                      "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 
 @triton.jit
 def _philox(seed, c0, c1, c2, c3, VARIANT: tl.constexpr):
-    """tl.philox(seed, c0, c1, c2, c3, 7) (32-bit counters): with WIDE_PRODUCTS the same rounds,
+    """tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS) (32-bit counters): with WIDE_PRODUCTS the same rounds,
     each product's two halves from one mul.wide.u32 (the first round's operands may be scalars,
     which the asm does not take; their products are loop-invariant anyway)."""
     if WIDE_PRODUCTS & VARIANT:
@@ -292,17 +300,17 @@ def _philox(seed, c0, c1, c2, c3, VARIANT: tl.constexpr):
         c1 = c1.to(tl.uint32, bitcast=True)
         c2 = c2.to(tl.uint32, bitcast=True)
         c3 = c3.to(tl.uint32, bitcast=True)
-        c0, c1, c2, c3 = (tl.umulhi(c2, 0xCD9E8D57) ^ c1 ^ k0, c2 * 0xCD9E8D57,
-                          tl.umulhi(c0, 0xD2511F53) ^ c3 ^ k1, c0 * 0xD2511F53)
-        for _ in tl.static_range(6):
-            k0 = k0 + 0x9E3779B9
-            k1 = k1 + 0xBB67AE85
+        c0, c1, c2, c3 = (tl.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
+                          tl.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
+        for _ in tl.static_range(PHILOX_ROUNDS - 1):
+            k0 = k0 + PHILOX_KEY_A
+            k1 = k1 + PHILOX_KEY_B
             high_b, low_b = _wide_by_b(c2)
             high_a, low_a = _wide_by_a(c0)
             c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
         return c0, c1, c2, c3
     else:
-        return tl.philox(seed, c0, c1, c2, c3, 7)
+        return tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS)
 
 
 @triton.jit
