@@ -19,11 +19,11 @@ the gradients are
 * ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
   tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
   in registers, never by expanding K/V in memory or by atomics.
-* On Hopper, dense calls with full tiles and no options beyond causal, softcap, sinks and dropout
-  take ``hopper_dkdv`` instead: the same math in Gluon, with a producer warp and two consumer
-  warpgroups that run out of step (FlashAttention-3's structure).
 * ``_attn_bwd_dq_kernel``: one program per BLOCK_M query rows; it streams key tiles like the
   forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).
+* On Hopper, dense calls with full tiles and no options beyond causal, softcap, sinks and dropout
+  take ``hopper_dkdv`` and ``hopper_dq`` instead: the same math in Gluon, with a producer warp and
+  two consumer warpgroups that run out of step (FlashAttention-3's structure, ``hopper_gluon``).
 
 Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit only
 the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hopper_dkdv
+from . import hopper_dkdv, hopper_dq
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
@@ -353,10 +353,11 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     dq_plan = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
     if (dkdv_plan.tma or dq_plan.tma) and not interpreted:
         ensure_scratch_allocator()
-    # A plain dense dQ kernel computes delta itself and runs first, saving the preprocess launch
+    gluon_dq = hopper_dq.plan(options, layout, interpreted, q, k, v, dout)
+    # A plain dense tl dQ kernel computes delta itself and runs first, saving the preprocess launch
     # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
     # that behind the extra prologue (benchmarks/NOTES.md, v7 and v8).
-    delta_in_dq = not dq_plan.specialized and not layout.is_varlen
+    delta_in_dq = not dq_plan.specialized and not layout.is_varlen and not gluon_dq
 
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
@@ -389,7 +390,9 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         hopper_dkdv.attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
     else:
         launch_fitting(dkdv_plan, launch_dkdv)
-    if not delta_in_dq:
+    if gluon_dq:
+        hopper_dq.attention_dq(dout, q, k, v, lse, delta, dq, options, layout)
+    elif not delta_in_dq:
         launch_fitting(dq_plan, launch_dq)
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)
 

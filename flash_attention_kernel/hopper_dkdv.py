@@ -20,72 +20,34 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   (1 - p) applied once at the end), dS^T the kept, scaled dP^T.
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
-P = 0, dK is scaled by softmax_scale at the end). ``plan`` decides where it runs: Hopper under a
-Triton version checked here, dense bf16/fp16 inputs with head_dim 64 or 128 whose tensors split
-into TMA rows (``launch.RowGeometry``), full tiles (seqlen_q a multiple of 64, seqlen_k of
-128: a ragged tile would read the next slice's rows), and no option beyond causal, softcap, sinks
-and dropout. Everything else takes the tl kernel.
-
-Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
-``async_load`` from 3.9), so the module binds the name it finds and ``CHECKED_VERSIONS`` lists the
-Triton releases this kernel was run and checked under.
+P = 0, dK is scaled by softmax_scale at the end). ``plan`` decides where it runs (``hopper_gluon.fits``:
+full tiles here are 64 query rows and 128 keys); everything else takes the tl kernel.
 """
 
-import os
-
 import torch
-import triton
-from torch._subclasses.fake_tensor import is_fake
 
-from .launch import RowGeometry, SequenceLayout, _splits_into_rows, _tma_possible
-from .options import DROPOUT, LOG2E, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
+from . import hopper_gluon
+from .hopper_gluon import CONSUMER_REGISTERS, gluon
+from .launch import RowGeometry, SequenceLayout
+from .options import LOG2E, AttentionOptions
 
-try:
-    from triton.experimental import gluon
+if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .hopper_dropout import drop_unkept, dropout_state, dropout_words
-except ImportError:  # a Triton without Gluon: the tl kernel serves every call
-    gluon = None
+    from .hopper_gluon import tanh_approx, tma_load
 
-# Triton releases under which this kernel ran the GPU suite (benchmarks/NOTES.md, v19, v20)
-CHECKED_VERSIONS = ("3.6.", "3.9.")
 # Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements)
 STAGES = {64: 4, 128: 3}
 KEY_ROWS = 64  # keys per consumer warpgroup: the wgmma M of S^T
 QUERY_ROWS = 64  # query rows per ring buffer: the wgmma N of S^T, K of dV and dK
-CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); the producer warp gets 24
 
 
 def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, *tensors: torch.Tensor) -> bool:
-    """Whether the dK/dV of this call runs here rather than in the tl kernel (see the module
-    docstring). ``tensors``: q, k, v, dout.
-
-    FLASH_ATTENTION_GLUON unset: every call the kernel can run, under a Triton it was checked
-    with (it is faster than the tl kernel on each, NOTES v20); "1": also under other Tritons;
-    "0": none."""
-    if gluon is None or interpreted or any(is_fake(x) for x in tensors):  # (traced: the graph keeps the tl kernels)
-        return False
-    setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
-    if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
-        return False
-    if setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS):
-        return False
-    q = tensors[0]
-    if (options.variant & ~(SOFTCAP | SINKS | DROPOUT) & ~_causal_bits(options) or layout.is_varlen
-            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in STAGES):
-        return False
-    if layout.seqlen_q % QUERY_ROWS or layout.seqlen_k % (2 * KEY_ROWS):
-        return False
-    if q.device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return _tma_possible(False, tensors) and all(_splits_into_rows(x, layout) for x in tensors)
-
-
-def _causal_bits(options: AttentionOptions) -> int:
-    """The variant's mask bits that plain causal masking sets (a right band edge at 0, no left)."""
-    return MASK_RIGHT if options.causal and options.window_left < 0 else 0
+    """Whether the dK/dV of this call runs here rather than in the tl kernel (``hopper_gluon.fits``).
+    ``tensors``: q, k, v, dout."""
+    return hopper_gluon.fits(options, layout, interpreted, tensors, QUERY_ROWS, 2 * KEY_ROWS)
 
 
 def _tma_vector(x: torch.Tensor) -> torch.Tensor:
@@ -124,19 +86,12 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
 
 
 if gluon is not None:
-    # TMA's global-to-shared copy under its name in this release
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
     KEYS = gl.constexpr(KEY_ROWS)
     ROWS = gl.constexpr(QUERY_ROWS)
     FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
     REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
     LOG2E_ = gl.constexpr(LOG2E)
-
-    @gluon.jit
-    def _tanh_approx(x):
-        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                         pack=1)
 
     @gluon.jit
     def _first_query_tile(start_key, diag, CAUSAL: gl.constexpr):
@@ -156,8 +111,8 @@ if gluon is not None:
         delta, through the ring."""
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         for w in gl.static_range(2):
-            _tma_load(k_desc, [k_row + w * KEYS, k_col], kv_bar, k_smem.index(w))
-            _tma_load(v_desc, [v_row + w * KEYS, v_col], kv_bar, v_smem.index(w))
+            tma_load(k_desc, [k_row + w * KEYS, k_col], kv_bar, k_smem.index(w))
+            tma_load(v_desc, [v_row + w * KEYS, v_col], kv_bar, v_smem.index(w))
         i = 0
         for g in range(GROUP_SIZE):
             for m in range(m_lo, seqlen_q, ROWS):
@@ -165,11 +120,11 @@ if gluon is not None:
                 mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
                 mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                _tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), lse_bufs.index(idx))
-                _tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), delta_bufs.index(idx))
-                _tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], ready.index(idx),
+                tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), lse_bufs.index(idx))
+                tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), delta_bufs.index(idx))
+                tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], ready.index(idx),
                           q_bufs.index(idx))
-                _tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], ready.index(idx),
+                tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], ready.index(idx),
                           do_bufs.index(idx))
                 i += 1
 
@@ -198,7 +153,7 @@ if gluon is not None:
             words = dropout_words(state, m, stream, S_LAYOUT)
         s = warpgroup_mma_wait(1, deps=(s,))
         if SOFTCAP:
-            capped = _tanh_approx(s * tanh_scale)
+            capped = tanh_approx(s * tanh_scale)
             logits = capped * softcap_log2 - lse_log2[None, :]
         else:
             logits = s * qk_log2 - lse_log2[None, :]

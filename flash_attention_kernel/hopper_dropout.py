@@ -1,5 +1,5 @@
-"""Dropout's keep mask in Gluon, for the transposed score tiles of the Hopper dK/dV kernel
-(hopper_dkdv.py).
+"""Dropout's keep mask in Gluon, for the score tiles of the Hopper backward kernels: the
+transposed ones of the dK/dV kernel (hopper_dkdv.py) and the dQ kernel's (hopper_dq.py).
 
 Every kernel draws dropout's bits from Philox-4x32-7 (scores.dropout_keep): one call per 16
 (query, key) pairs, keyed by the seed at counter (key group, query group, stream, offset), and a
@@ -9,8 +9,12 @@ holds a [64 keys, 64 queries] S^T tile in the wgmma accumulator layout, where a 
 lie on 4 threads (the forward's tiles hold them on one), so the calls are arranged around that
 layout: each thread makes 4 calls per tile and takes 4 more from its neighbour lane
 (``dropout_words``). ``dropout_state`` holds a warpgroup's constants, ``drop_unkept`` zeroes P and
-dP where the draw stays under the threshold. tests/test_hopper_dkdv.py checks the result bit for
+dP where the draw stays under the threshold. tests/test_hopper_backward.py checks the result bit for
 bit against the mask the forward returns.
+
+The dQ kernel's [64 queries, KEYS] S tiles hold each call's 16 pairs on one thread, as the
+forward's do: ``dropout_rows`` makes KEYS / 32 calls per thread and spreads their words over the pairs by
+joins alone, ``drop_unkept_rows`` zeroes dP where the draw stays under the threshold.
 """
 
 from triton.experimental import gluon
@@ -31,6 +35,16 @@ OWN_CALLS = gl.constexpr(gl.DistributedLinearLayout(
 CALLS = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 8], [0, 16]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 32]))
+
+
+def row_calls(keys: int):
+    """The calls of an S tile of 64 queries by ``keys`` keys (queries on rows, ``dropout_rows``):
+    [32 (query // 16, query % 8), keys // 8 (key // 32, key % 8 // 2)], S's accumulator layout
+    without the register bits of query + 8, key + 1, key + 8 and key + 16."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 4 << bit] for bit in range((keys // 32).bit_length() - 1)],
+        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[8, 0], [16, 0]], block_bases=[],
+        shape=[32, keys // 8])
 
 
 @gluon.jit
@@ -127,3 +141,41 @@ def drop_unkept(state, words, p, dp):
         "selp.f32 $0, $5, 0f00000000, keep; selp.f32 $1, $6, 0f00000000, keep; }",
         "=r,=r,r,r,r,r,r", [words, byte_shift[:, None], limit, p, dp], dtype=(gl.float32, gl.float32),
         is_pure=True, pack=1)
+
+
+@gluon.jit
+def dropout_rows(dropout, first_row, n, LAYOUT: gl.constexpr, CALLS: gl.constexpr):
+    """[64, KEYS] uint32 in LAYOUT (S's accumulator layout) for query rows [first_row, first_row +
+    64) (first_row a multiple of 64) and keys [n, n + KEYS) (n a multiple of KEYS, 64 or 128; CALLS
+    = row_calls(KEYS)): each pair's 8-bit draw, shifted to the word's top byte. ``dropout`` =
+    (RngState, stream, threshold), stream = batch * heads + head.
+
+    scores.dropout_keep's mapping: pair (query 16 a + 8 h + r, key 32 t + 8 j + 2 c + e) draws
+    byte 2 (j % 2) + e of word 2 h + j // 2 of the call at counter (4 t + c, 16 a + r, stream,
+    offset). A thread of S holds queries r and r + 8 and keys 2 c + e + 8 j of its 16 rows, so the
+    call's 16 pairs are its own: the words, joined with copies for j % 2 and e, become S's
+    register bits and the final conversion only renames registers."""
+    RngState, stream, _ = dropout
+    seed = gl.load(RngState)
+    offset = (gl.load(RngState + 1) & 0xFFFFFFFF).to(gl.uint32)
+    KEYS: gl.constexpr = CALLS.shape[1] * 8
+    calls = gl.arange(0, KEYS // 8, gl.SliceLayout(0, CALLS))  # 4 (key // 32) + key % 8 // 2 - n // 8
+    groups = gl.arange(0, 32, gl.SliceLayout(1, CALLS))  # (query // 16) * 8 + query % 8
+    key_groups = gl.expand_dims((n // 8 + calls).to(gl.uint32), 0)
+    query_groups = gl.expand_dims((first_row + groups // 8 * 16 + groups % 8).to(gl.uint32), 1)
+    r0, r1, r2, r3 = _philox(key_groups, query_groups, stream, offset, (seed & 0xFFFFFFFF).to(gl.uint32),
+                             (seed >> 32).to(gl.uint32))
+    words = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [.., .., j // 2, h]
+    words = gl.join(gl.join(words, words), gl.join(words, words))  # [.., .., j // 2, h, e, j % 2]
+    # [query // 16, query % 8, key // 32, key % 8 // 2, j // 2, h, e, j % 2] -> S's [query, key]
+    words = gl.reshape(words, [4, 8, KEYS // 32, 4, 2, 2, 2, 2])
+    words = gl.reshape(gl.permute(words, (0, 5, 1, 2, 4, 7, 3, 6)), [TILE, KEYS])
+    keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, LAYOUT))
+    byte_shift = (24 - 8 * (keys // 8 % 2 * 2 + keys % 2)).to(gl.uint32)
+    return gl.convert_layout(words, LAYOUT) << byte_shift[None, :]
+
+
+@gluon.jit
+def drop_unkept_rows(dropout, draws, dp):
+    """dp where the pair's draw (the top byte of ``draws``, ``dropout_rows``) reaches the threshold, else 0."""
+    return gl.where(draws >= (dropout[2].to(gl.uint32) << 24), dp, 0.0)

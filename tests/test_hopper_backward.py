@@ -1,0 +1,257 @@
+"""The backward's Gluon kernels for Hopper (flash_attention_kernel/hopper_dkdv.py, hopper_dq.py).
+
+On a Hopper GPU under a checked Triton, dense backward calls with full tiles, head dim 64 or 128,
+bf16/fp16 and no options beyond causal, softcap, sinks and dropout take them instead of the tl
+kernels: the dK/dV kernel where seqlen_q is a multiple of 64 and seqlen_k of 128, the dQ kernel
+where seqlen_q is a multiple of 128 and seqlen_k of 64 (the other cases mix a Gluon kernel with a
+tl one). The cases cross what the kernels handle themselves: causal rows aligned bottom-right
+(seqlen_q above and below seqlen_k, rows that see no key), GQA groups streamed through one ring,
+heads side by side or one under another in the TMA matrix view, packed qkv, a softcap past its
+cap, sinks in the lse, dropout's keep mask redrawn from Philox (it must be the forward's, bit for
+bit, or the gradients miss the bar by far). Each meets the float64 bar, and
+FLASH_ATTENTION_GLUON=0 (the tl kernels) agrees to rounding. On the CPU the kernels cannot run, so
+the CPU tests check the decision and compile the kernels for sm_90 under the installed Triton (its
+Gluon API changes by release).
+"""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+from conftest import ON_GPU
+from reference import BWD_FACTOR, assert_within_bar, run_ref
+from sizes import BF16
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+def _bshd(batch, seqlen, heads, dtype, head_dim=128):
+    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda" if ON_GPU else "cpu")
+
+
+def _plans(fa, q, k, v, causal=False, **options):
+    """Whether (``hopper_dkdv.plan``, ``hopper_dq.plan``) take these inputs (as attention_backward
+    asks them)."""
+    kernels = fa.flash_attention_kernel
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
+    return tuple(module.plan(attention, layout, not ON_GPU, q, k, v, torch.empty_like(q))
+                 for module in (kernels.hopper_dkdv, kernels.hopper_dq))
+
+
+def _taken(fa, q, k, v, causal=False, **options):
+    """Whether both Gluon kernels take these inputs."""
+    return all(_plans(fa, q, k, v, causal, **options))
+
+
+def test_taken_only_where_they_can_work(fa, monkeypatch):
+    q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 256, 2, BF16), _bshd(2, 256, 2, BF16)
+    checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_gluon.CHECKED_VERSIONS)
+    assert _taken(fa, q, k, v, causal=True) == (ON_HOPPER and checked)
+    assert _taken(fa, q, k, v, softcap=30.0) == (ON_HOPPER and checked)
+    assert _taken(fa, q, k, v, causal=True, softcap=30.0, sinks=torch.zeros(4, device=q.device)) == \
+        (ON_HOPPER and checked)
+    assert _taken(fa, q, k, v, causal=True, dropout_p=0.1) == (ON_HOPPER and checked)
+    assert _plans(fa, q, k, v, dropout_p=0.1) == (ON_HOPPER and checked, False)  # (dQ: the tl kernel is faster)
+    assert _taken(fa, q, k, v) == (ON_HOPPER and checked)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")  # any Triton; still only where the kernel can run
+    assert _taken(fa, q, k, v) == ON_HOPPER and _taken(fa, q, k, v, causal=True, dropout_p=0.1) == ON_HOPPER
+    assert not any(_plans(fa, q[:, :120], k, v))  # a partial query tile
+    assert _plans(fa, q[:, :192], k, v) == (ON_HOPPER, False)  # whole for dK/dV, partial for dQ
+    assert _plans(fa, q, k[:, :192], v[:, :192]) == (False, ON_HOPPER)  # partial for dK/dV, whole for dQ
+    assert not any(_plans(fa, q, k[:, :160], v[:, :160]))
+    assert not any(_plans(fa, *(x[..., :96].contiguous() for x in (q, k, v))))  # head dim 96
+    assert not any(_plans(fa, q.float(), k.float(), v.float()))
+    assert not any(_plans(fa, q, k, v, window_left=64))
+    assert not any(_plans(fa, q, k, v, causal=True, window_left=64))
+    assert not any(_plans(fa, q, k, v, window_right=0))  # causal spelled as a window: the tl kernels
+    assert not any(_plans(fa, q, k, v, alibi_slopes=torch.zeros(4, device=q.device)))
+    monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
+    assert not any(_plans(fa, q, k, v))
+    monkeypatch.delenv("FLASH_ATTENTION_TMA")
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
+    assert not any(_plans(fa, q, k, v))
+
+
+# Compiled in a fresh process: the check needs the installed Triton's compiler only, and a test
+# worker that has run kernels through TRITON_INTERPRET=1 can carry the interpreter's state into it
+# (CI saw gl.program_id return a bare IR value there, once, in one worker).
+_COMPILE_SCRIPT = """
+import importlib.util, pathlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+package_dir, name, kernel, head_dim, group, causal, softcap, dropout = sys.argv[1:]
+head_dim, group = int(head_dim), int(group)
+causal, softcap, dropout = (flag == "True" for flag in (causal, softcap, dropout))
+spec = importlib.util.spec_from_file_location(name, pathlib.Path(package_dir) / "__init__.py",
+                                              submodule_search_locations=[package_dir])
+package = importlib.util.module_from_spec(spec)
+sys.modules[name] = package
+spec.loader.exec_module(package)
+module = getattr(package.flash_attention_kernel, "hopper_" + kernel)
+shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
+descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
+geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
+common = dict(qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32", RngState="*i64")
+if kernel == "dkdv":
+    stats = f"tensordesc<fp32[64],{module.STAT_LAYOUT!r}>"
+    arguments = dict(
+        lse_desc=stats, delta_desc=stats, DK="*bf16", DV="*bf16",
+        **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
+        seqlen_q="i32", diag="i32", **common, num_heads="i32")
+    function = module._dkdv_kernel
+    extra = {}
+else:
+    arguments = dict(
+        Lse="*fp32", Delta="*fp32", stride_stat_b="i64", stride_stat_h="i64", DQ="*bf16",
+        **{f"stride_dq{s}": "i64" for s in ("b", "h", "m")}, seqlen_k="i32", diag="i32", **common)
+    function = module._dq_kernel
+    row_calls = sys.modules[name + ".flash_attention_kernel.hopper_dropout"].row_calls
+    extra = dict(KEYS=module.KEY_ROWS, CALLS_LAYOUT=row_calls(module.KEY_ROWS))
+signature = dict(
+    q_desc=descriptor, k_desc=descriptor, v_desc=descriptor, do_desc=descriptor, **{n: "i32" for n in geometry},
+    **arguments, dropout_threshold="i32", dropout_scale="fp32",
+    HEAD_DIM="constexpr", GROUP_SIZE="constexpr", STAGES="constexpr", CAUSAL="constexpr", SOFTCAP="constexpr",
+    DROPOUT="constexpr", **{key: "constexpr" for key in extra})
+constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=module.STAGES[head_dim], CAUSAL=causal,
+                 SOFTCAP=softcap, DROPOUT=dropout, **extra)
+compiled = triton.compile(GluonASTSource(function, signature, constants),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+assert compiled.asm["cubin"]
+assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
+"""
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("head_dim, group, causal, softcap, dropout",
+                         [(128, 1, True, True, False), (64, 2, False, False, False), (128, 2, True, False, True)])
+def test_compiles_for_hopper(fa, kernel, head_dim, group, causal, softcap, dropout):
+    """The kernels compile to sm_90 cubins under the installed Triton, with no GPU needed."""
+    package_dir = str(pathlib.Path(fa.__file__).parent)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, package_dir, fa.__name__, kernel, str(head_dim),
+                             str(group), str(causal), str(softcap), str(dropout)],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
+    return _bshd(batch, heads, seqlen, dtype, head_dim).transpose(1, 2)
+
+
+# (name, q, k, v builders, causal, which Gluon kernels take it: (dK/dV, dQ))
+CASES = [
+    ("gqa-causal", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True,
+     (True, True)),
+    ("gqa4-full", lambda dt: (_bshd(1, 384, 8, dt), _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)), False,
+     (True, True)),
+    ("fewer-queries-causal", lambda dt: (_bshd(2, 128, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)), True,
+     (True, True)),
+    ("more-queries-causal", lambda dt: (_bshd(2, 384, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True,
+     (True, True)),  # (the first 128 rows see no key)
+    ("short-keys-causal", lambda dt: (_bshd(2, 256, 2, dt), _bshd(2, 192, 2, dt), _bshd(2, 192, 2, dt)), True,
+     (False, True)),
+    ("odd-query-tile-causal", lambda dt: (_bshd(2, 448, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True,
+     (True, False)),
+    ("bhsd-view", lambda dt: (_bhsd_view(2, 128, 3, dt), _bhsd_view(2, 256, 3, dt), _bhsd_view(2, 256, 3, dt)),
+     True, (True, True)),
+    ("qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), False, (True, True)),
+    ("d64-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 64), _bshd(2, 384, 1, dt, 64), _bshd(2, 384, 1, dt, 64)),
+     True, (True, True)),
+    ("d64-more-queries", lambda dt: (_bshd(1, 320, 4, dt, 64), _bshd(1, 256, 2, dt, 64), _bshd(1, 256, 2, dt, 64)),
+     True, (True, False)),
+]
+
+
+def _gradients(fa, monkeypatch, setting, q, k, v, dout, causal, **options):
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fa.flash_attn_func(*leaves, causal=causal, **options)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("softcap", [0.0, 8.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name, make, causal, taken", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, taken, dtype, softcap):
+    q, k, v = make(dtype)
+    if softcap:
+        q = q * 4  # scores past the cap, where tanh' is small
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    assert _plans(fa, q, k, v, causal=causal, softcap=softcap) == taken
+    ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, softcap=softcap)
+    tl_kernel = _gradients(fa, monkeypatch, "0", q, k, v, dout, causal, softcap=softcap)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, softcap=softcap)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, dtype, softcap=softcap)
+    for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), ours, tl_kernel, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+        assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+def test_sinks_and_repeatability(fa, monkeypatch):
+    """Sinks reach the kernels through the lse only; the gradients are bitwise repeatable."""
+    q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 256, 2, BF16), _bshd(2, 256, 2, BF16)
+    sinks = torch.randn(4, device=q.device)
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    assert _taken(fa, q, k, v, causal=True, sinks=sinks)
+    first = _gradients(fa, monkeypatch, "1", q, k, v, dout, True, s_aux=sinks)
+    again = _gradients(fa, monkeypatch, "1", q, k, v, dout, True, s_aux=sinks)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    _, truth = run_ref(q, k, v, dout, True, scale, torch.float64, sinks=sinks)
+    _, same_dtype = run_ref(q, k, v, dout, True, scale, BF16, sinks=sinks)
+    for label, mine, pt, exact in zip(("dq", "dk", "dv"), first, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+
+
+DROPOUT_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "more-queries-causal",
+                                                        "short-keys-causal", "d64-gqa-causal")]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("softcap", [0.0, 8.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("name, make, causal, taken", DROPOUT_CASES, ids=[c[0] for c in DROPOUT_CASES])
+def test_dropout_redraws_the_forward_mask(fa, monkeypatch, name, make, causal, taken, softcap):
+    """The kernels draw each pair's keep bit themselves (scores.dropout_keep's mapping in Gluon):
+    with the mask the forward returned (S_dmask), the gradients meet the float64 bar, as the tl
+    kernels' do on the same call; the gradients repeat bit for bit."""
+    q, k, v = make(BF16)
+    dropout_p = 0.17
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    dkdv_taken, dq_taken = taken  # (the Gluon dQ kernel leaves dropout without causal to the tl one)
+    assert _plans(fa, q, k, v, causal=causal, softcap=softcap, dropout_p=dropout_p) == (dkdv_taken, dq_taken and causal)
+    runs = {}
+    for setting in ("1", "0", "1"):
+        monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        torch.manual_seed(7)
+        out, _, S_dmask = fa.flash_attn_func(*leaves, dropout_p=dropout_p, causal=causal, softcap=softcap,
+                                             return_attn_probs=True)
+        grads = torch.autograd.grad(out, leaves, dout)
+        if setting in runs:
+            assert all(torch.equal(a, b) for a, b in zip(grads, runs[setting][1]))
+        runs[setting] = (~torch.signbit(S_dmask), grads)
+    keep = runs["1"][0]
+    assert torch.equal(keep, runs["0"][0])  # (the forward is the same tl kernel)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    options = dict(softcap=softcap, keep=keep, dropout_p=dropout_p)
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **options)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **options)
+    for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), runs["1"][1], runs["0"][1], same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+        assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
