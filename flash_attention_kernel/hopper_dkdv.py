@@ -27,8 +27,8 @@ full tiles here are 64 query rows and 128 keys); everything else takes the tl ke
 import torch
 
 from . import hopper_gluon
-from .hopper_gluon import CONSUMER_REGISTERS, gluon
-from .launch import RowGeometry, SequenceLayout
+from .hopper_gluon import CONSUMER_REGISTERS, gluon, score_arguments, tile_arguments
+from .launch import SequenceLayout
 from .options import LOG2E, AttentionOptions
 
 if gluon is not None:
@@ -36,7 +36,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .hopper_dropout import drop_unkept, dropout_state, dropout_words
-    from .hopper_gluon import tanh_approx, tma_load
+    from .hopper_gluon import ring_barriers, tanh_approx, tma_load
 
 # Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements)
 STAGES = {64: 4, 128: 3}
@@ -61,27 +61,17 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
     through torch.library.wrap_triton: ``plan`` keeps traced calls on the tl kernels."""
     batch, seqlen_k, num_heads_kv, head_dim = k.shape
-    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    geometry = [RowGeometry.of(x, layout) for x in (q, k, v, dout)]
-    descriptors = [
-        TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [rows, head_dim],
-                         gl.NVMMASharedLayout.get_default_for([rows, head_dim], element))
-        for x, g, rows in zip((q, k, v, dout), geometry, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS))
-    ]
     # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
     stats = [TensorDescriptor(x, [x.numel()], [1], [QUERY_ROWS], STAT_LAYOUT)
              for x in (_tma_vector(lse), _tma_vector(delta))]
-    softcap = options.softcap
     _, _, _, rng_state, _, _, _, _, dropout_threshold, dropout_scale = options.kernel_args(lse)
     _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
-        *descriptors,
-        *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols)),
+        *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, options.softmax_scale * LOG2E,
-        options.softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, options.softmax_scale,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, *score_arguments(options),
         rng_state, q.shape[2], dropout_threshold, dropout_scale,
         HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=STAGES[head_dim],
-        CAUSAL=options.causal, SOFTCAP=softcap > 0, DROPOUT=options.dropout_p > 0, num_warps=4,
+        CAUSAL=options.causal, SOFTCAP=options.softcap > 0, DROPOUT=options.dropout_p > 0, num_warps=4,
     )
 
 
@@ -242,15 +232,11 @@ if gluon is not None:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, KEYS, HEAD_DIM], v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, ROWS, HEAD_DIM], q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, ROWS, HEAD_DIM], do_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         lse_bufs = gl.allocate_shared_memory(lse_desc.dtype, [STAGES, ROWS], lse_desc.layout)
         delta_bufs = gl.allocate_shared_memory(delta_desc.dtype, [STAGES, ROWS], delta_desc.layout)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a buffer
+        ready, empty = ring_barriers(STAGES)
 
         dk_base = batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
         dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh

@@ -31,16 +31,15 @@ keys; dropout only with causal masking); everything else takes the tl kernel.
 import torch
 
 from . import hopper_gluon
-from .hopper_gluon import CONSUMER_REGISTERS, gluon
-from .launch import RowGeometry, SequenceLayout
+from .hopper_gluon import CONSUMER_REGISTERS, gluon, score_arguments, tile_arguments
+from .launch import SequenceLayout
 from .options import DROPOUT, LOG2E, SINKS, SOFTCAP, AttentionOptions
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .hopper_dropout import drop_unkept_rows, dropout_rows, row_calls
-    from .hopper_gluon import tanh_approx, tma_load
+    from .hopper_gluon import ring_barriers, tanh_approx, tma_load
 
 QUERY_ROWS = 64  # query rows per consumer warpgroup: the wgmma M of S and dQ
 # keys per ring buffer: the wgmma N of S, K of dQ (the kernel and hopper_dropout.dropout_rows take
@@ -64,29 +63,20 @@ def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layou
     The kernel launches directly, not through torch.library.wrap_triton: ``plan`` keeps traced
     calls on the tl kernels."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    geometry = [RowGeometry.of(x, layout) for x in (q, k, v, dout)]
-    descriptors = [
-        TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [rows, head_dim],
-                         gl.NVMMASharedLayout.get_default_for([rows, head_dim], element))
-        for x, g, rows in zip((q, k, v, dout), geometry, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS))
-    ]
-    softcap = options.softcap
     _, _, _, rng_state, _, _, _, _, dropout_threshold, dropout_scale = options.kernel_args(lse)
     _dq_kernel[(seqlen_q // (2 * QUERY_ROWS), num_heads, batch)](
-        *descriptors,
-        *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols)),
+        *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
         lse, delta, *layout.stat_strides(delta), dq, *layout.strides(dq),
-        layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, options.softmax_scale * LOG2E,
-        options.softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, options.softmax_scale,
+        layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *score_arguments(options),
         rng_state, dropout_threshold, dropout_scale,
         HEAD_DIM=head_dim, KEYS=KEY_ROWS, GROUP_SIZE=num_heads // k.shape[2], STAGES=STAGES[head_dim],
-        CAUSAL=options.causal, SOFTCAP=softcap > 0, DROPOUT=options.dropout_p > 0, CALLS_LAYOUT=row_calls(KEY_ROWS),
+        CAUSAL=options.causal, SOFTCAP=options.softcap > 0, DROPOUT=options.dropout_p > 0, CALLS_LAYOUT=CALLS,
         num_warps=4,
     )
 
 
 if gluon is not None:
+    CALLS = row_calls(KEY_ROWS)  # the layout of dropout's Philox calls (the kernel's CALLS_LAYOUT)
     ROWS = gl.constexpr(QUERY_ROWS)
     FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
     REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
@@ -233,12 +223,8 @@ if gluon is not None:
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, HEAD_DIM], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, HEAD_DIM], v_desc.layout)
         qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(qdo_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a buffer
+        ready, empty = ring_barriers(STAGES)
 
         stat_base = batch.to(gl.int64) * stride_stat_b + head.to(gl.int64) * stride_stat_h
         dq_base = batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh

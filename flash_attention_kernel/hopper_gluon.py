@@ -20,13 +20,14 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
 
-from .launch import SequenceLayout, _splits_into_rows, _tma_possible
-from .options import DROPOUT, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
+from .launch import RowGeometry, SequenceLayout, _splits_into_rows, _tma_possible
+from .options import DROPOUT, LOG2E, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import tma
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: the tl kernels serve every call
     gluon = None
 
@@ -63,6 +64,29 @@ def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, t
     return _tma_possible(False, tensors) and all(_splits_into_rows(x, layout) for x in tensors)
 
 
+def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
+    """The kernels' first arguments: a TMA descriptor for each of ``tensors`` (q, k, v, dout) with
+    blocks of ``rows[i]`` rows of the head dim, over the tensor seen as a matrix of rows
+    (``launch.RowGeometry``), then each tensor's (batch_rows, head_rows, head_cols)."""
+    element = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
+    head_dim = tensors[0].shape[-1]
+    geometry = [RowGeometry.of(x, layout) for x in tensors]
+    descriptors = [
+        TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [block_rows, head_dim],
+                         gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], element))
+        for x, g, block_rows in zip(tensors, geometry, rows)
+    ]
+    return [*descriptors, *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))]
+
+
+def score_arguments(options: AttentionOptions) -> tuple:
+    """(qk_log2, tanh_scale, softcap_log2, softmax_scale) as the kernels take them: the logit in
+    base 2 is q.k * qk_log2, or under a softcap softcap_log2 * tanh(q.k * tanh_scale)."""
+    softcap = options.softcap
+    return (options.softmax_scale * LOG2E, options.softmax_scale / softcap if softcap > 0 else 0.0,
+            softcap * LOG2E, options.softmax_scale)
+
+
 def _causal_bits(options: AttentionOptions) -> int:
     """The variant's mask bits that plain causal masking sets (a right band edge at 0, no left)."""
     return MASK_RIGHT if options.causal and options.window_left < 0 else 0
@@ -71,6 +95,17 @@ def _causal_bits(options: AttentionOptions) -> int:
 if gluon is not None:
     # TMA's global-to-shared copy under its name in this release
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def ring_barriers(STAGES: gl.constexpr):
+        """(ready, empty) mbarriers of a ring of STAGES buffers: the producer's TMA completes
+        "ready", both consumer warpgroups arrive on "empty" to release a buffer."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return ready, empty
 
     @gluon.jit
     def tanh_approx(x):
