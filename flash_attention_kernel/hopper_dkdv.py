@@ -13,30 +13,36 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory, both in flight at once), P^T =
   exp2(S^T - lse) and dS^T = P^T (dP^T - delta) (times tanh' under a softcap) in registers, then
   dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands. Nothing holds the two
-  warpgroups in step, so one's per-score work runs while the other's products do. Only the query
-  tiles that cross the causal diagonal take the mask (a loop of their own).
+  warpgroups in step, so one's per-score work runs while the other's products do. Each warpgroup
+  visits only the query tiles its keys are seen from (``hopper_gluon.band_tiles``: causal and
+  window bounds), and only those that cross a band edge take the mask (loops of their own); the
+  tiles the producer streams for the other warpgroup alone are released unread. The logits
+  (softcap, ALiBi, mask) are ``hopper_gluon.tile_logits``'.
 * dropout: each consumer redraws its pairs' keep bits from Philox while its S^T and dP^T products
   run, bit for bit scores.dropout_keep's draws (``hopper_dropout``); dV takes the kept P^T (1 /
   (1 - p) applied once at the end), dS^T the kept, scaled dP^T.
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
-P = 0, dK is scaled by softmax_scale at the end). ``plan`` decides where it runs (``hopper_gluon.fits``:
+P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's. ``plan`` decides where it runs (``hopper_gluon.fits``:
 full tiles here are 64 query rows and 128 keys); everything else takes the tl kernel.
 """
 
 import torch
 
 from . import hopper_gluon
-from .hopper_gluon import CONSUMER_REGISTERS, gluon, score_arguments, tile_arguments
+from .hopper_gluon import CONSUMER_REGISTERS, gluon, option_arguments, tile_arguments
 from .launch import SequenceLayout
-from .options import LOG2E, AttentionOptions
+from .options import AttentionOptions
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .hopper_dropout import drop_unkept, dropout_state, dropout_words
-    from .hopper_gluon import ring_barriers, tanh_approx, tma_load
+    from .hopper_gluon import (
+        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, release_unread, ring_barriers, tile_logits,
+        tile_logits_grad, tma_load,
+    )
 
 # Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements)
 STAGES = {64: 4, 128: 3}
@@ -64,14 +70,12 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
     stats = [TensorDescriptor(x, [x.numel()], [1], [QUERY_ROWS], STAT_LAYOUT)
              for x in (_tma_vector(lse), _tma_vector(delta))]
-    _, _, _, rng_state, _, _, _, _, dropout_threshold, dropout_scale = options.kernel_args(lse)
+    arguments, constexprs = option_arguments(options, lse)
     _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, *score_arguments(options),
-        rng_state, q.shape[2], dropout_threshold, dropout_scale,
-        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=STAGES[head_dim],
-        CAUSAL=options.causal, SOFTCAP=options.softcap > 0, DROPOUT=options.dropout_p > 0, num_warps=4,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,
+        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=STAGES[head_dim], **constexprs, num_warps=4,
     )
 
 
@@ -81,31 +85,29 @@ if gluon is not None:
     ROWS = gl.constexpr(QUERY_ROWS)
     FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
     REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
-    LOG2E_ = gl.constexpr(LOG2E)
 
     @gluon.jit
-    def _first_query_tile(start_key, diag, CAUSAL: gl.constexpr):
-        """The first query tile that sees any of keys [start_key, ...): causal row i sees keys
-        j <= i + diag."""
-        if CAUSAL:
-            return gl.maximum(start_key - diag, 0) // ROWS * ROWS
-        else:
-            return start_key * 0
+    def _query_tiles(first_key, last_key, seqlen_q, band, VARIANT: gl.constexpr):
+        """``band_tiles`` over the query rows for keys first_key..last_key: key j is seen by rows
+        j - diag - right .. j - diag + left."""
+        diag, left, right = band
+        return band_tiles(first_key, last_key, -diag - right, -diag + left, seqlen_q, ROWS, MASK_RIGHT_ & VARIANT,
+                          MASK_LEFT_ & VARIANT)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_rows, do_rows, k_row, v_row, stat_row,
                   q_col, do_col, k_col, v_col, q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem,
-                  q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, seqlen_q,
+                  q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, m_hi, seqlen_q,
                   GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: K and V once, then the (Q, dO) tiles of each query head, with their rows' lse and
-        delta, through the ring."""
+        """One warp: K and V once, then the (Q, dO) tiles [m_lo, m_hi) of each query head, with
+        their rows' lse and delta, through the ring."""
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         for w in gl.static_range(2):
             tma_load(k_desc, [k_row + w * KEYS, k_col], kv_bar, k_smem.index(w))
             tma_load(v_desc, [v_row + w * KEYS, v_col], kv_bar, v_smem.index(w))
         i = 0
         for g in range(GROUP_SIZE):
-            for m in range(m_lo, seqlen_q, ROWS):
+            for m in range(m_lo, m_hi, ROWS):
                 idx = i % STAGES
                 mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
                 mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -119,12 +121,12 @@ if gluon is not None:
                 i += 1
 
     @gluon.jit
-    def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m, keys, diag,
-                    qk_log2, tanh_scale, softcap_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
-                    OPERAND_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, SOFTCAP: gl.constexpr,
-                    DROPOUT: gl.constexpr):
+    def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m, keys, first_key, band,
+                    score, slope_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
+                    OPERAND_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                    ALIBI_ABS: gl.constexpr):
         """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i``. MASKED:
-        the tile crosses the causal diagonal."""
+        the tile crosses a band edge."""
         dtype: gl.constexpr = q_bufs.dtype
         idx = i % STAGES
         mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
@@ -137,27 +139,20 @@ if gluon is not None:
         queries = m + gl.arange(0, ROWS, row_layout)
         lse_log2 = lse_bufs.index(idx).load(row_layout) * LOG2E_
         delta = delta_bufs.index(idx).load(row_layout)
-        if DROPOUT:  # (drawn while the products run)
-            rng_state, threshold, first_key = dropout
+        if DROPOUT_ & VARIANT:  # (drawn while the products run)
+            rng_state, threshold = dropout
             state = dropout_state(rng_state, threshold, first_key, keys)
             words = dropout_words(state, m, stream, S_LAYOUT)
         s = warpgroup_mma_wait(1, deps=(s,))
-        if SOFTCAP:
-            capped = tanh_approx(s * tanh_scale)
-            logits = capped * softcap_log2 - lse_log2[None, :]
-        else:
-            logits = s * qk_log2 - lse_log2[None, :]
-        if MASKED:  # (masked before the exp2: the mask's predicate dies at once)
-            logits = gl.where(queries[None, :] + diag >= keys[:, None], logits, float("-inf"))
-        p = gl.exp2(logits)
+        x, capped = tile_logits(s, lse_log2[None, :], queries[None, :], keys[:, None], first_key, band, score,
+                                slope_log2, MASKED, VARIANT, ALIBI_ABS)
+        p = gl.exp2(x)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         p_kept = p
-        if DROPOUT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
+        if DROPOUT_ & VARIANT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
             p_kept, dp = drop_unkept(state, words, p, dp)
             dp = dp * dropout_scale
-        ds = p * (dp - delta[None, :])
-        if SOFTCAP:
-            ds = ds * (1.0 - capped * capped)
+        ds = tile_logits_grad(p * (dp - delta[None, :]), capped, VARIANT)
         dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
@@ -166,11 +161,12 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
-                  DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                  qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, first_row, dropout_threshold,
-                  dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT: gl.constexpr):
-        """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over every query tile."""
+                  DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band, score,
+                  softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, WG: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, VARIANT: gl.constexpr,
+                  ALIBI_ABS: gl.constexpr):
+        """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over the query tiles [m_lo,
+        m_hi) the producer streams, of every query head of the group."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, ROWS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -185,29 +181,41 @@ if gluon is not None:
         # what dropout_state needs: the state itself is formed again for each tile (even the seed,
         # loaded from L1), since held across the loop its registers doubled the causal kernel's
         # spills (NOTES v21)
-        dropout = (RngState, dropout_threshold, first_key)
-        # query tiles from m_diagonal on see all 64 keys: only those before it take the causal mask
-        m_diagonal = m_lo
-        if CAUSAL:
-            m_diagonal = gl.minimum(gl.maximum(gl.cdiv(first_key + KEYS - 1 - diag, ROWS) * ROWS, m_lo), seqlen_q)
+        dropout = (RngState, dropout_threshold)
+        # this warpgroup's query tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the
+        # ones before lo and from hi_end on it does not see (streamed for the other warpgroup)
+        lo, full_lo, full_hi, hi = _query_tiles(first_key, first_key + KEYS - 1, seqlen_q, band, VARIANT)
+        hi_end = gl.maximum(gl.cdiv(hi, ROWS) * ROWS, lo)
         mbarrier.wait(kv_bar, 0)
         i = 0
         for g in range(GROUP_SIZE):
             stream = (first_row + g).to(gl.uint32)  # dropout's Philox stream: batch * heads + head
-            for m in range(m_lo, m_diagonal, ROWS):
+            slope_log2 = 0.0
+            if ALIBI_ & VARIANT:
+                slope_log2 = gl.load(slopes + g) * LOG2E_
+            if MASK_RIGHT_ & VARIANT:
+                i = release_unread(ready, empty, i, m_lo, lo, ROWS, STAGES)
+                for m in range(lo, full_lo, ROWS):
+                    dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                                         keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
+                                         s_layout, operand_layout, STAGES, True, VARIANT, ALIBI_ABS)
+                    i += 1
+            for m in range(full_lo, full_hi, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
-                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, dropout_scale, stream,
-                                     s_layout, operand_layout, STAGES, CAUSAL, SOFTCAP, DROPOUT)
+                                     keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
+                                     s_layout, operand_layout, STAGES, False, VARIANT, ALIBI_ABS)
                 i += 1
-            for m in range(m_diagonal, seqlen_q, ROWS):
-                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
-                                     keys, diag, qk_log2, tanh_scale, softcap_log2, dropout, dropout_scale, stream,
-                                     s_layout, operand_layout, STAGES, False, SOFTCAP, DROPOUT)
-                i += 1
+            if MASK_LEFT_ & VARIANT:
+                for m in range(full_hi, hi, ROWS):
+                    dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                                         keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
+                                         s_layout, operand_layout, STAGES, True, VARIANT, ALIBI_ABS)
+                    i += 1
+                i = release_unread(ready, empty, i, hi_end, m_hi, ROWS, STAGES)
         rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
         dk = dk * softmax_scale
-        if DROPOUT:
+        if DROPOUT_ & VARIANT:
             dv = dv * dropout_scale
         gl.store(DK + dk_base + rows[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty))
         gl.store(DV + dv_base + rows[:, None] * stride_dvn + dims[None, :], dv.to(DV.dtype.element_ty))
@@ -217,16 +225,21 @@ if gluon is not None:
                      q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                      v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
                      lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dvb, stride_dvh, stride_dvn,
-                     seqlen_q, diag, qk_log2, tanh_scale, softcap_log2, softmax_scale,
-                     RngState, num_heads, dropout_threshold, dropout_scale,
+                     stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
+                     qk_log2, tanh_scale, softcap_log2, softmax_scale, window_left, window_right,
+                     AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
                      HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT: gl.constexpr):
+                     VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+        """The arguments after the tensors' are ``hopper_gluon.option_arguments``'; VARIANT and
+        ALIBI_ABS its constexprs."""
         start_key = gl.program_id(0) * (2 * KEYS)
         kv_head = gl.program_id(1)
         batch = gl.program_id(2)
         head = kv_head * GROUP_SIZE  # the group's first query head
-        m_lo = _first_query_tile(start_key, diag, CAUSAL)
+        band = (diag, window_left, window_right)
+        score = (qk_log2, tanh_scale, softcap_log2)
+        # the query tiles any of the program's keys is seen from: the producer streams these
+        m_lo, _, _, m_hi = _query_tiles(start_key, start_key + 2 * KEYS - 1, seqlen_q, band, VARIANT)
 
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, KEYS, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, KEYS, HEAD_DIM], v_desc.layout)
@@ -242,23 +255,22 @@ if gluon is not None:
         dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
         # the group's first query head as a row of (batch, heads): its lse / delta row, its Philox stream
         first_row = batch * num_heads + head
+        slopes = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the group's ALiBi slopes)
         # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
-                         DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, first_row,
-                         dropout_threshold, dropout_scale, FIRST, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
-                         DROPOUT)),
+                         DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
+                         score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, FIRST,
+                         HEAD_DIM, GROUP_SIZE, STAGES, VARIANT, ALIBI_ABS)),
             (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
-                         DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, seqlen_q, diag,
-                         qk_log2, tanh_scale, softcap_log2, softmax_scale, RngState, first_row,
-                         dropout_threshold, dropout_scale, SECOND, HEAD_DIM, GROUP_SIZE, STAGES, CAUSAL, SOFTCAP,
-                         DROPOUT)),
+                         DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
+                         score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, SECOND,
+                         HEAD_DIM, GROUP_SIZE, STAGES, VARIANT, ALIBI_ABS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                          batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                          batch * k_batch_rows + kv_head * k_head_rows + start_key,
                          batch * v_batch_rows + kv_head * v_head_rows + start_key, first_row,
                          head * q_head_cols, head * do_head_cols, kv_head * k_head_cols, kv_head * v_head_cols,
                          q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
-                         lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, seqlen_q, GROUP_SIZE, STAGES)),
+                         lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, m_hi, seqlen_q, GROUP_SIZE, STAGES)),
         ], [4, 1], [REGISTERS, 24])

@@ -6,8 +6,16 @@ ring of shared-memory buffers, two consumer warpgroups of 64 rows each read the 
 so that one's per-score work (exp2, the softcap's tanh, the mask, dropout's draws) runs while the
 other's tensor-core products do. They run on sm_90 only, on dense bf16/fp16 calls whose tensors
 split into TMA rows (``launch.RowGeometry``) in full tiles (a ragged tile would read the next
-slice's rows), with head dim 64 or 128 and no option beyond causal, softcap, sinks and dropout.
-Everything else takes the tl kernels.
+slice's rows), with head dim 64 or 128; every option (causal, window, softcap, ALiBi, sinks,
+dropout) runs in them. Everything else (varlen, ragged tiles, other head dims, fp32) takes the tl
+kernels.
+
+Scores: the Gluon kernels cannot call ``scores.py``'s tl functions, so this module holds their
+Gluon form, the same math: ``band_tiles`` (which tiles a warpgroup visits: masked ones crossing a
+window edge, full ones, and the ones it releases unread because only the other warpgroup sees
+them), ``tile_logits`` (softcap, ALiBi, the band mask, minus the row's lse) and
+``tile_logits_grad`` (the softcap's tanh'). The kernels hold their tiles in opposite orientations
+(dK/dV: S^T, keys by queries; dQ: S), so these take index vectors already shaped to broadcast.
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
 ``async_load`` from 3.9), so the module binds the name it finds and ``CHECKED_VERSIONS`` lists the
@@ -21,7 +29,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from .launch import RowGeometry, SequenceLayout, _splits_into_rows, _tma_possible
-from .options import DROPOUT, LOG2E, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
+from .options import ALIBI, DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
 
 try:
     from triton.experimental import gluon
@@ -37,11 +45,16 @@ HEAD_DIMS = (64, 128)
 CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); the producer warp gets 24
 
 
+# The VARIANT bits (options.AttentionOptions.variant) the Gluon kernels read; sinks reach them through the lse
+KERNEL_BITS = MASK_LEFT | MASK_RIGHT | SOFTCAP | ALIBI | DROPOUT
+ALL_OPTIONS = KERNEL_BITS | SINKS
+
+
 def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors, query_tile: int,
-         key_tile: int, allowed_options: int = SOFTCAP | SINKS | DROPOUT) -> bool:
+         key_tile: int, allowed_options: int = ALL_OPTIONS) -> bool:
     """Whether a Gluon backward kernel whose tiles are ``query_tile`` query rows and ``key_tile``
-    keys can run this call (see the module docstring), with options among ``allowed_options`` (and
-    plain causal masking). ``tensors``: q, k, v, dout.
+    keys can run this call (see the module docstring), with options among ``allowed_options``
+    (VARIANT bits). ``tensors``: q, k, v, dout.
 
     FLASH_ATTENTION_GLUON unset: every call the kernels can run, under a Triton they were checked
     with (they are faster than the tl kernels on each, NOTES v20, v22); "1": also under other
@@ -54,7 +67,7 @@ def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, t
     if setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS):
         return False
     q = tensors[0]
-    if (options.variant & ~allowed_options & ~_causal_bits(options) or layout.is_varlen
+    if (options.variant & ~allowed_options or layout.is_varlen
             or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS):
         return False
     if layout.seqlen_q % query_tile or layout.seqlen_k % key_tile:
@@ -79,17 +92,20 @@ def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
     return [*descriptors, *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))]
 
 
-def score_arguments(options: AttentionOptions) -> tuple:
-    """(qk_log2, tanh_scale, softcap_log2, softmax_scale) as the kernels take them: the logit in
-    base 2 is q.k * qk_log2, or under a softcap softcap_log2 * tanh(q.k * tanh_scale)."""
-    softcap = options.softcap
-    return (options.softmax_scale * LOG2E, options.softmax_scale / softcap if softcap > 0 else 0.0,
-            softcap * LOG2E, options.softmax_scale)
-
-
-def _causal_bits(options: AttentionOptions) -> int:
-    """The variant's mask bits that plain causal masking sets (a right band edge at 0, no left)."""
-    return MASK_RIGHT if options.causal and options.window_left < 0 else 0
+def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple:
+    """(arguments, constexprs) of the options as both kernels take them. Arguments: qk_log2,
+    tanh_scale, softcap_log2 (the logit in base 2 is q.k * qk_log2, or under a softcap
+    softcap_log2 * tanh(q.k * tanh_scale)), softmax_scale, window_left, window_right, AlibiSlopes,
+    stride_alibi_b, RngState, dropout_threshold, dropout_scale (``stand_in`` fills unused
+    pointers). Constexprs: VARIANT (KERNEL_BITS of the options' bit set) and ALIBI_ABS (ALiBi with
+    visible pairs above the diagonal, where its distance needs an absolute value)."""
+    slopes, stride_alibi_b, _, rng_state, _, _, left, right, dropout_threshold, dropout_scale = \
+        options.kernel_args(stand_in)
+    softcap, scale = options.softcap, options.softmax_scale
+    arguments = (scale * LOG2E, scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, scale, left, right,
+                 slopes, stride_alibi_b, rng_state, dropout_threshold, dropout_scale)
+    alibi_abs = options.alibi_slopes is not None and options.window[1] != 0
+    return arguments, dict(VARIANT=options.variant & KERNEL_BITS, ALIBI_ABS=alibi_abs)
 
 
 if gluon is not None:
@@ -112,3 +128,94 @@ if gluon is not None:
         """tanh by the GPU's tanh.approx.f32 (one special-function op), as the tl kernels' TANH_APPROX."""
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
+
+    MASK_LEFT_, MASK_RIGHT_, SOFTCAP_, ALIBI_ = (gl.constexpr(bit) for bit in (MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI))
+    DROPOUT_ = gl.constexpr(DROPOUT)
+    LOG2E_ = gl.constexpr(LOG2E)
+
+    @gluon.jit
+    def band_tiles(first, last, below, above, length, BLOCK: gl.constexpr, HAS_BELOW: gl.constexpr,
+                   HAS_ABOVE: gl.constexpr):
+        """``scores._band_tiles`` in Gluon: for indices first..last, index x seeing the band
+        [x + below, x + above] of [0, length) (each edge only where it exists), the tile ranges
+        (lo, full_lo, full_hi, hi): [lo, full_lo) crosses the lower edge, [full_lo, full_hi) is seen
+        in full, [full_hi, hi) crosses the upper edge; lo, full_lo, full_hi are multiples of BLOCK
+        and lo <= full_lo <= full_hi. Where no tile is full, every visible one is in [full_hi, hi),
+        or, with no upper edge (whose masked loop a kernel then leaves out), in [lo, full_lo).
+        ``length`` is a multiple of BLOCK where there is no upper edge (the kernels' full tiles)."""
+        lo = 0
+        full_lo = 0
+        hi = length
+        full_hi = length
+        if HAS_ABOVE:
+            hi = gl.minimum(gl.maximum(last + above + 1, 0), length)
+            full_hi = gl.minimum(gl.maximum(first + above + 1, 0), length)
+        full_hi = full_hi // BLOCK * BLOCK
+        if HAS_BELOW:
+            lo = gl.minimum(gl.maximum(first + below, 0), length) // BLOCK * BLOCK
+            full_lo = gl.cdiv(gl.minimum(gl.maximum(last + below, 0), length), BLOCK) * BLOCK
+            no_full_tile = full_lo >= full_hi
+            empty_at = lo  # (the start of the range that then holds every visible tile)
+            if not HAS_ABOVE:
+                empty_at = hi
+            full_lo = gl.where(no_full_tile, empty_at, full_lo)
+            full_hi = gl.where(no_full_tile, empty_at, full_hi)
+        return lo, full_lo, full_hi, hi
+
+    @gluon.jit
+    def release_unread(ready, empty, i, start, end, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+        """Release the ring buffers of tiles [start, end) (start a multiple of BLOCK) unread: tiles
+        the producer streams for the other warpgroup. Each is waited for, so that no arrival on
+        "empty" completes a later phase early. Returns the next buffer's count."""
+        for _ in range(start, end, BLOCK):
+            idx = i % STAGES
+            mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+            mbarrier.arrive(empty.index(idx), count=1)
+            i += 1
+        return i
+
+    @gluon.jit
+    def tile_logits(s, lse_log2, queries, keys, key_base, band, score, slope_log2, MASKED: gl.constexpr,
+                    VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+        """(x, capped): x = the base-2 logits of a tile of q.k products ``s`` minus their rows'
+        lse (lse_log2 = lse * log2(e)), -inf where MASKED and outside the band, so that P =
+        exp2(x); capped = the softcap's tanh (for ``tile_logits_grad``). ``queries``, ``keys`` and
+        ``lse_log2`` are shaped to broadcast against ``s``. band = (diag, left, right): query i sees
+        key j iff i + diag - left <= j <= i + diag + right (scores.visible); score = (qk_log2,
+        tanh_scale, softcap_log2).
+
+        ALiBi adds -slope |i + diag - j|, its distance taken from ``key_base`` (near the tile) so
+        that fp32 holds both parts exactly. Without ALIBI_ABS every visible pair has i + diag >= j,
+        and the bias splits into a row term, folded into the lse, and a key term: one addition
+        per score instead of a subtraction, an absolute value and a multiply-add."""
+        diag, left, right = band
+        qk_log2, tanh_scale, softcap_log2 = score
+        if SOFTCAP_ & VARIANT:
+            capped = tanh_approx(s * tanh_scale)
+            scaled = capped * softcap_log2
+        else:
+            capped = s
+            scaled = s * qk_log2
+        if ALIBI_ & VARIANT:
+            row_distance = (queries + (diag - key_base)).to(gl.float32)
+            key_offset = (keys - key_base).to(gl.float32)
+            if ALIBI_ABS:
+                x = scaled - lse_log2 - slope_log2 * gl.abs(row_distance - key_offset)
+            else:
+                x = scaled - (lse_log2 + slope_log2 * row_distance) + slope_log2 * key_offset
+        else:
+            x = scaled - lse_log2
+        if MASKED:  # (masked before the exp2: the mask's predicate dies at once)
+            if MASK_RIGHT_ & VARIANT:
+                x = gl.where(keys <= queries + (diag + right), x, float("-inf"))
+            if MASK_LEFT_ & VARIANT:
+                x = gl.where(keys >= queries + (diag - left), x, float("-inf"))
+        return x, capped
+
+    @gluon.jit
+    def tile_logits_grad(ds, capped, VARIANT: gl.constexpr):
+        """``ds`` times the logits' derivative by the scaled score: the softcap's 1 - tanh^2, else 1."""
+        if SOFTCAP_ & VARIANT:
+            return ds * (1.0 - capped * capped)
+        else:
+            return ds

@@ -1,14 +1,14 @@
 """The backward's Gluon kernels for Hopper (flash_attention_kernel/hopper_dkdv.py, hopper_dq.py).
 
 On a Hopper GPU under a checked Triton, dense backward calls with full tiles, head dim 64 or 128,
-bf16/fp16 and no options beyond causal, softcap, sinks and dropout take them instead of the tl
-kernels: the dK/dV kernel where seqlen_q is a multiple of 64 and seqlen_k of 128, the dQ kernel
+bf16/fp16 and any options take them instead of the tl kernels: the dK/dV kernel where seqlen_q is a multiple of 64 and seqlen_k of 128, the dQ kernel
 where seqlen_q is a multiple of 128 and seqlen_k of 64 (the other cases mix a Gluon kernel with a
 tl one). The cases cross what the kernels handle themselves: causal rows aligned bottom-right
 (seqlen_q above and below seqlen_k, rows that see no key), GQA groups streamed through one ring,
 heads side by side or one under another in the TMA matrix view, packed qkv, a softcap past its
 cap, sinks in the lse, dropout's keep mask redrawn from Philox (it must be the forward's, bit for
-bit, or the gradients miss the bar by far). Each meets the float64 bar, and
+bit, or the gradients miss the bar by far), window bounds that cut tiles anywhere (each warpgroup's
+tile ranges, tiles released unread), ALiBi on one side of the diagonal and on both. Each meets the float64 bar, and
 FLASH_ATTENTION_GLUON=0 (the tl kernels) agrees to rounding. On the CPU the kernels cannot run, so
 the CPU tests check the decision and compile the kernels for sm_90 under the installed Triton (its
 Gluon API changes by release).
@@ -68,10 +68,10 @@ def test_taken_only_where_they_can_work(fa, monkeypatch):
     assert not any(_plans(fa, q, k[:, :160], v[:, :160]))
     assert not any(_plans(fa, *(x[..., :96].contiguous() for x in (q, k, v))))  # head dim 96
     assert not any(_plans(fa, q.float(), k.float(), v.float()))
-    assert not any(_plans(fa, q, k, v, window_left=64))
-    assert not any(_plans(fa, q, k, v, causal=True, window_left=64))
-    assert not any(_plans(fa, q, k, v, window_right=0))  # causal spelled as a window: the tl kernels
-    assert not any(_plans(fa, q, k, v, alibi_slopes=torch.zeros(4, device=q.device)))
+    slopes = torch.zeros(4, device=q.device)
+    for options in (dict(window_left=64), dict(causal=True, window_left=64), dict(window_right=0),
+                    dict(window_left=8, window_right=3, alibi_slopes=slopes), dict(causal=True, alibi_slopes=slopes)):
+        assert _taken(fa, q, k, v, **options) == ON_HOPPER
     monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
     assert not any(_plans(fa, q, k, v))
     monkeypatch.delenv("FLASH_ATTENTION_TMA")
@@ -89,9 +89,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-package_dir, name, kernel, head_dim, group, causal, softcap, dropout = sys.argv[1:]
-head_dim, group = int(head_dim), int(group)
-causal, softcap, dropout = (flag == "True" for flag in (causal, softcap, dropout))
+package_dir, name, kernel, head_dim, group, variant, alibi_abs = sys.argv[1:]
+head_dim, group, variant, alibi_abs = int(head_dim), int(group), int(variant), alibi_abs == "True"
 spec = importlib.util.spec_from_file_location(name, pathlib.Path(package_dir) / "__init__.py",
                                               submodule_search_locations=[package_dir])
 package = importlib.util.module_from_spec(spec)
@@ -101,29 +100,29 @@ module = getattr(package.flash_attention_kernel, "hopper_" + kernel)
 shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
 descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
 geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
-common = dict(qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32", RngState="*i64")
+options = dict(qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32", window_left="i32",
+               window_right="i32", AlibiSlopes="*fp32", stride_alibi_b="i32", RngState="*i64",
+               dropout_threshold="i32", dropout_scale="fp32")
 if kernel == "dkdv":
     stats = f"tensordesc<fp32[64],{module.STAT_LAYOUT!r}>"
     arguments = dict(
         lse_desc=stats, delta_desc=stats, DK="*bf16", DV="*bf16",
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
-        seqlen_q="i32", diag="i32", **common, num_heads="i32")
+        seqlen_q="i32", diag="i32", num_heads="i32")
     function = module._dkdv_kernel
     extra = {}
 else:
     arguments = dict(
         Lse="*fp32", Delta="*fp32", stride_stat_b="i64", stride_stat_h="i64", DQ="*bf16",
-        **{f"stride_dq{s}": "i64" for s in ("b", "h", "m")}, seqlen_k="i32", diag="i32", **common)
+        **{f"stride_dq{s}": "i64" for s in ("b", "h", "m")}, seqlen_k="i32", diag="i32")
     function = module._dq_kernel
     row_calls = sys.modules[name + ".flash_attention_kernel.hopper_dropout"].row_calls
     extra = dict(KEYS=module.KEY_ROWS, CALLS_LAYOUT=row_calls(module.KEY_ROWS))
+constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=module.STAGES[head_dim], VARIANT=variant,
+                 ALIBI_ABS=alibi_abs, **extra)
 signature = dict(
     q_desc=descriptor, k_desc=descriptor, v_desc=descriptor, do_desc=descriptor, **{n: "i32" for n in geometry},
-    **arguments, dropout_threshold="i32", dropout_scale="fp32",
-    HEAD_DIM="constexpr", GROUP_SIZE="constexpr", STAGES="constexpr", CAUSAL="constexpr", SOFTCAP="constexpr",
-    DROPOUT="constexpr", **{key: "constexpr" for key in extra})
-constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=module.STAGES[head_dim], CAUSAL=causal,
-                 SOFTCAP=softcap, DROPOUT=dropout, **extra)
+    **arguments, **options, **{key: "constexpr" for key in constants})
 compiled = triton.compile(GluonASTSource(function, signature, constants),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 assert compiled.asm["cubin"]
@@ -132,14 +131,21 @@ assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register 
 
 
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
-@pytest.mark.parametrize("head_dim, group, causal, softcap, dropout",
-                         [(128, 1, True, True, False), (64, 2, False, False, False), (128, 2, True, False, True)])
-def test_compiles_for_hopper(fa, kernel, head_dim, group, causal, softcap, dropout):
+@pytest.mark.parametrize("head_dim, group, options", [
+    (128, 1, dict(causal=True, softcap=30.0)), (64, 2, {}), (128, 2, dict(causal=True, dropout_p=0.1)),
+    (128, 1, dict(window_left=256, window_right=128, alibi=True)),
+    (64, 2, dict(causal=True, window_left=256, alibi=True, softcap=30.0, dropout_p=0.1)),
+], ids=["causal-softcap", "plain", "causal-dropout", "window-alibi", "everything"])
+def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
     """The kernels compile to sm_90 cubins under the installed Triton, with no GPU needed."""
     package_dir = str(pathlib.Path(fa.__file__).parent)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    alibi = options.pop("alibi", False)
+    attention = fa.flash_attention_kernel.AttentionOptions(
+        0.125, alibi_slopes=torch.ones(1) if alibi else None, **options)
+    _, constexprs = fa.flash_attention_kernel.hopper_gluon.option_arguments(attention, torch.empty(1))
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, package_dir, fa.__name__, kernel, str(head_dim),
-                             str(group), str(causal), str(softcap), str(dropout)],
+                             str(group), str(constexprs["VARIANT"]), str(constexprs["ALIBI_ABS"])],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -253,5 +259,76 @@ def test_dropout_redraws_the_forward_mask(fa, monkeypatch, name, make, causal, t
     _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **options)
     _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **options)
     for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), runs["1"][1], runs["0"][1], same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+        assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
+
+
+# (name, (batch, seqlen_q, seqlen_k, heads, kv_heads), flash_attn_func options); "slopes" stands
+# for ALiBi slopes of shape (heads,), "batch slopes" for (batch, heads); "sinks" for s_aux
+BAND_CASES = [
+    ("window", (2, 384, 384, 4, 2), dict(window_size=(100, 37))),
+    ("window-causal-fewer-queries", (2, 256, 512, 2, 2), dict(causal=True, window_size=(200, -1))),
+    ("window-causal-more-queries", (2, 512, 256, 2, 2), dict(causal=True, window_size=(70, -1))),
+    ("diagonal-only", (1, 256, 256, 2, 2), dict(window_size=(0, 0))),
+    ("right-edge-only", (2, 256, 384, 2, 1), dict(window_size=(-1, 50))),
+    ("left-edge-only", (2, 384, 256, 2, 2), dict(window_size=(64, -1))),
+    ("window-past-the-sequence", (1, 256, 256, 2, 2), dict(window_size=(5000, 5000))),
+    ("alibi-causal-gqa", (2, 384, 384, 4, 2), dict(causal=True, alibi_slopes="slopes")),
+    ("alibi", (2, 256, 384, 2, 2), dict(alibi_slopes="batch slopes")),
+    ("alibi-window-causal", (2, 384, 256, 4, 2), dict(causal=True, window_size=(150, -1), alibi_slopes="slopes")),
+    ("alibi-window-softcap", (1, 384, 384, 2, 2), dict(window_size=(120, 90), alibi_slopes="slopes", softcap=8.0)),
+    ("everything", (2, 256, 384, 4, 2), dict(causal=True, window_size=(170, -1), alibi_slopes="slopes",
+                                             softcap=8.0, dropout_p=0.17, s_aux="sinks")),
+]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("name, shape, options", BAND_CASES, ids=[c[0] for c in BAND_CASES])
+def test_windows_and_alibi(fa, monkeypatch, name, shape, options):
+    """Window bounds and ALiBi in both Gluon kernels: the float64 bar, agreement with the tl
+    kernels' gradients, bitwise repeatability (with dropout: the forward's mask, from S_dmask)."""
+    batch, seqlen_q, seqlen_k, heads, kv_heads = shape
+    q, k, v = _bshd(batch, seqlen_q, heads, BF16), _bshd(batch, seqlen_k, kv_heads, BF16), \
+        _bshd(batch, seqlen_k, kv_heads, BF16)
+    q = q * 2 if options.get("softcap") else q  # (scores past the cap)
+    options = dict(options)
+    stand_ins = {"slopes": torch.rand(heads, device=q.device) * 0.3 + 0.02,
+                 "batch slopes": torch.rand(batch, heads, device=q.device) * 0.3 + 0.02,
+                 "sinks": torch.randn(heads, device=q.device)}
+    options = {key: stand_ins.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
+    dropout_p = options.get("dropout_p", 0.0)
+    dout = torch.randn_like(q)
+    causal = options.pop("causal", False)
+    window = options.get("window_size", (-1, -1))
+    kernels = fa.flash_attention_kernel
+    attention = kernels.AttentionOptions(
+        q.shape[-1] ** -0.5, causal, window_left=window[0], window_right=window[1], softcap=options.get("softcap", 0.0),
+        dropout_p=dropout_p, alibi_slopes=options.get("alibi_slopes"), sinks=options.get("s_aux"))
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    assert kernels.hopper_dkdv.plan(attention, layout, False, q, k, v, dout)
+    assert kernels.hopper_dq.plan(attention, layout, False, q, k, v, dout) == (causal or not dropout_p)
+    runs = {}
+    for setting in ("1", "0", "1"):
+        monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        torch.manual_seed(7)
+        if dropout_p:
+            out, _, S_dmask = fa.flash_attn_func(*leaves, causal=causal, return_attn_probs=True, **options)
+            keep = ~torch.signbit(S_dmask)
+        else:
+            out, keep = fa.flash_attn_func(*leaves, causal=causal, **options), None
+        grads = torch.autograd.grad(out, leaves, dout)
+        if setting in runs:
+            assert all(torch.equal(a, b) for a, b in zip(grads, runs[setting]))
+        runs[setting] = grads
+    reference = dict(window=window, softcap=options.get("softcap", 0.0), alibi_slopes=options.get("alibi_slopes"),
+                     sinks=options.get("s_aux"))
+    if dropout_p:
+        reference.update(keep=keep, dropout_p=dropout_p)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **reference)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **reference)
+    for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), runs["1"], runs["0"], same_dtype, truth):
         assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
         assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
