@@ -23,8 +23,9 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   (1 - p) applied once at the end), dS^T the kept, scaled dP^T.
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
-P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's. ``plan`` decides where it runs (``hopper_gluon.fits``:
-full tiles here are 64 query rows and 128 keys); everything else takes the tl kernel.
+P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's. ``plan``
+decides where it runs (``hopper_gluon.fits``: full tiles here are 64 query rows and 128 keys);
+everything else takes the tl kernel.
 """
 
 import torch
@@ -230,7 +231,7 @@ if gluon is not None:
                      AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
                      HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                      VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-        """The arguments after the tensors' are ``hopper_gluon.option_arguments``'; VARIANT and
+        """The arguments after num_heads are ``hopper_gluon.option_arguments``', VARIANT and
         ALIBI_ABS its constexprs."""
         start_key = gl.program_id(0) * (2 * KEYS)
         kv_head = gl.program_id(1)
