@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import hopper_forward
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
@@ -203,8 +204,11 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
     if k.numel() == 0:  # no keys: every row is empty (or sees its sink only)
         return out.zero_(), _lse_without_keys(lse, options)
 
-    dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_fwd_kernel)
+    if hopper_forward.plan(options, layout, interpreted, q, k, v):
+        hopper_forward.attention_forward(q, k, v, out, lse, options, layout)
+        return out, lse
+    dim_a, dim_b = head_dim_chunks(head_dim)
     plan = launch_plan("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)
     if plan.tma and not interpreted:
         ensure_scratch_allocator()

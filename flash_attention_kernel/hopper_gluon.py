@@ -206,11 +206,47 @@ if gluon is not None:
         else:
             x = scaled - lse_log2
         if MASKED:  # (masked before the exp2: the mask's predicate dies at once)
-            if MASK_RIGHT_ & VARIANT:
-                x = gl.where(keys <= queries + (diag + right), x, float("-inf"))
-            if MASK_LEFT_ & VARIANT:
-                x = gl.where(keys >= queries + (diag - left), x, float("-inf"))
+            x = band_mask(x, queries, keys, band, VARIANT)
         return x, capped
+
+    @gluon.jit
+    def band_mask(x, queries, keys, band, VARIANT: gl.constexpr):
+        """``x`` where query i sees key j (i + diag - left <= j <= i + diag + right, the edges
+        VARIANT has), -inf elsewhere; ``queries`` and ``keys`` broadcast against ``x``."""
+        diag, left, right = band
+        if MASK_RIGHT_ & VARIANT:
+            x = gl.where(keys <= queries + (diag + right), x, float("-inf"))
+        if MASK_LEFT_ & VARIANT:
+            x = gl.where(keys >= queries + (diag - left), x, float("-inf"))
+        return x
+
+    @gluon.jit
+    def forward_logits(s, queries, keys, key_base, band, score, slope_log2, MASKED: gl.constexpr,
+                       VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+        """(t, unit): the base-2 logits of a tile of q.k products ``s`` are t * unit, with t = -inf
+        where MASKED and outside the band (``tile_logits``' math without an lse, for the forward,
+        which subtracts its pivot in the same multiply-add as the unit). Without ALiBi t is the
+        softcap's tanh or s itself, so the logits cost nothing before that multiply-add; ALiBi's
+        bias is added to the scaled scores (unit 1), split as in ``tile_logits``."""
+        qk_log2, tanh_scale, softcap_log2 = score
+        if SOFTCAP_ & VARIANT:
+            t = tanh_approx(s * tanh_scale)
+            unit = softcap_log2
+        else:
+            t = s
+            unit = qk_log2
+        if ALIBI_ & VARIANT:
+            diag, _, _ = band
+            row_distance = (queries + (diag - key_base)).to(gl.float32)
+            key_offset = (keys - key_base).to(gl.float32)
+            if ALIBI_ABS:
+                t = t * unit - slope_log2 * gl.abs(row_distance - key_offset)
+            else:
+                t = t * unit - slope_log2 * row_distance + slope_log2 * key_offset
+            unit = 1.0
+        if MASKED:
+            t = band_mask(t, queries, keys, band, VARIANT)
+        return t, unit
 
     @gluon.jit
     def tile_logits_grad(ds, capped, VARIANT: gl.constexpr):

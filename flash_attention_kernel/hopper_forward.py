@@ -1,0 +1,324 @@
+"""The forward kernel for Hopper (sm_90), written in Gluon with explicit warp roles: the backward's
+dQ kernel (``hopper_dq``) with an online softmax in place of the gradient.
+
+The tl forward (``forward._attn_fwd_kernel``) issues Q K^T, waits for it, turns the scores into
+probabilities and only then issues P V, so every score's work (the scale, exp2, a softcap's
+tanh, ALiBi's bias, dropout's draws) runs while the warpgroup's tensor-core products do not.
+Here, FlashAttention-3's schedule:
+
+* one program per 128 query rows of one query head (dense batches), Q in shared memory;
+* a producer warp streams the (K, V) tiles of KEYS keys of the head's KV head through a ring of
+  STAGES shared-memory buffers by TMA ("ready" and "empty" mbarriers per buffer);
+* two consumer warpgroups, each owning 64 of the query rows, read the ring independently (nothing
+  holds them in step, so one's softmax runs while the other's products do), and each overlaps its
+  own work across tiles: for key tile t it issues S_t = Q K_t^T and O += P_{t-1} V_{t-1} together,
+  waits for S_t only, forms P_t (and the rescaling factor) while the P V product still runs, then
+  waits for it and rescales O. The first tile's S is formed before the loop (a prologue that
+  treats it as masked, whichever range it lies in) and the last tile's P V after it.
+
+Online softmax in base 2, as in ``forward``: m' = max(m, rowmax(S)), P = exp2(S - m'),
+alpha = exp2(m - m'), l = l alpha + rowsum(P), O = O alpha + P V; at the end O / l and
+lse = (m + log2 l) ln 2. A softcap bounded as ``scores.FIXED_PIVOT`` allows skips the running
+max (a constant pivot, alpha = 1). Sinks start the row at (sink, 1); dropout zeroes P after it
+enters l (``hopper_dropout.dropout_rows``, drawn while the products run) and scales O by
+1 / (1 - p) at the end. Rows that see no key end with O = 0 and lse = +inf (or the sink).
+
+Causal and window bounds come from ``hopper_gluon.band_tiles``: each warpgroup visits masked
+tiles at the band's lower edge, full tiles, masked tiles at its upper edge, and releases unread
+the tiles only the other warpgroup sees. ``plan`` decides where it runs (``hopper_gluon.fits``:
+full tiles of 128 query rows and KEYS keys); everything else, and ``return_attn_probs``' tile
+of probabilities, takes the tl kernels.
+"""
+
+import torch
+
+from . import hopper_gluon
+from .hopper_gluon import CONSUMER_REGISTERS, gluon, option_arguments, tile_arguments
+from .launch import SequenceLayout, kernel_variant
+from .options import FIXED_PIVOT, SINKS, AttentionOptions
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from .hopper_dropout import dropout_rows, row_calls
+    from .hopper_gluon import (
+        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, forward_logits, release_unread, ring_barriers,
+        tma_load,
+    )
+    from .scores import PIVOT_HEADROOM
+
+QUERY_ROWS = 64  # query rows per consumer warpgroup: the wgmma M of S and O
+KEY_ROWS = 128  # keys per ring buffer: the wgmma N of S, K of P V
+# Ring depth per head dim (shared memory: Q 2 * 64 * d elements, each stage 2 * KEY_ROWS * d;
+# d128: 32 + 3 * 64 KB of the 227 KB)
+STAGES = {64: 4, 128: 3}
+
+
+def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q, k, v) -> bool:
+    """Whether the forward of this call runs here rather than in the tl kernel
+    (``hopper_gluon.fits``)."""
+    return hopper_gluon.fits(options, layout, interpreted, (q, k, v), 2 * QUERY_ROWS, KEY_ROWS)
+
+
+def forward_bits(options: AttentionOptions, dtype: torch.dtype) -> int:
+    """The VARIANT bits the kernel reads beyond ``option_arguments``' (which serve the backward
+    too): SINKS, and FIXED_PIVOT where ``launch.kernel_variant`` allows it."""
+    return kernel_variant(options, dtype, False, forward=True) & (SINKS | FIXED_PIVOT)
+
+
+def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: SequenceLayout) -> None:
+    """Write out and lse ((batch, heads, seqlen_q) fp32, ``SequenceLayout.new_row_stats``) of a
+    call ``plan`` accepted. Launched directly, not through torch.library.wrap_triton: ``plan``
+    keeps traced calls on the tl kernels."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    arguments, constexprs = option_arguments(options, lse)
+    constexprs["VARIANT"] |= forward_bits(options, q.dtype)
+    sinks = lse if options.sinks is None else options.sinks
+    _forward_kernel[(seqlen_q // (2 * QUERY_ROWS), num_heads, batch)](
+        *tile_arguments((q, k, v), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS)),
+        out, *layout.strides(out), lse, *layout.stat_strides(lse), sinks,
+        layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,
+        HEAD_DIM=head_dim, KEYS=KEY_ROWS, GROUP_SIZE=num_heads // k.shape[2], STAGES=STAGES[head_dim],
+        CALLS_LAYOUT=CALLS, **constexprs, num_warps=4,
+    )
+
+
+if gluon is not None:
+    CALLS = row_calls(KEY_ROWS)  # the layout of dropout's Philox calls (the kernel's CALLS_LAYOUT)
+    ROWS = gl.constexpr(QUERY_ROWS)
+    FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
+    REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
+    SINKS_, FIXED_PIVOT_ = gl.constexpr(SINKS), gl.constexpr(FIXED_PIVOT)
+    LN2_ = gl.constexpr(0.6931471805599453)
+
+    @gluon.jit
+    def _key_tiles(first_row, last_row, seqlen_k, band, KEYS: gl.constexpr, VARIANT: gl.constexpr):
+        """``band_tiles`` over the keys for query rows first_row..last_row: row i sees keys
+        i + diag - left .. i + diag + right."""
+        diag, left, right = band
+        return band_tiles(first_row, last_row, diag - left, diag + right, seqlen_k, KEYS, MASK_LEFT_ & VARIANT,
+                          MASK_RIGHT_ & VARIANT)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_row, q_col, k_row, k_col, v_row, v_col, q_smem, k_bufs, v_bufs, q_bar,
+                  ready, empty, keys_lo, keys_hi, STAGES: gl.constexpr):
+        """One warp: the program's Q once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
+        KEYS: gl.constexpr = k_bufs.shape[1]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            tma_load(q_desc, [q_row + w * ROWS, q_col], q_bar, q_smem.index(w))
+        i = 0
+        for n in range(keys_lo, keys_hi, KEYS):
+            idx = i % STAGES
+            mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
+            mbarrier.expect(ready.index(idx), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma_load(k_desc, [k_row + n, k_col], ready.index(idx), k_bufs.index(idx))
+            tma_load(v_desc, [v_row + n, v_col], ready.index(idx), v_bufs.index(idx))
+            i += 1
+
+    @gluon.jit
+    def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2, pivot_constant, dropout,
+                       draws, S_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                       ALIBI_ABS: gl.constexpr):
+        """(P, alpha, row_max, row_sum) of key tile [n, n + KEYS) from its q.k products ``s``:
+        the online softmax step (module docstring); P is dropout's kept probabilities."""
+        KEYS: gl.constexpr = s.shape[1]
+        keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, S_LAYOUT))
+        t, unit = forward_logits(s, rows[:, None], keys[None, :], n, band, score, slope_log2, MASKED, VARIANT,
+                                 ALIBI_ABS)
+        if FIXED_PIVOT_ & VARIANT:  # bounded logits: the pivot is a constant, nothing to rescale
+            p = gl.exp2(t * unit - pivot_constant)
+            alpha = 1.0
+            row_sum = row_sum + gl.sum(p, 1)
+        else:
+            new_max = gl.maximum(row_max, gl.max(t, 1) * unit)
+            pivot = new_max
+            if MASKED:  # (a row with no visible key yet keeps -inf: pivot 0, no NaN)
+                pivot = gl.where(new_max == float("-inf"), 0.0, new_max)
+            p = gl.exp2(t * unit - pivot[:, None])
+            alpha = gl.exp2(row_max - pivot)
+            row_sum = row_sum * alpha + gl.sum(p, 1)
+            row_max = new_max
+        if DROPOUT_ & VARIANT:
+            p = gl.where(draws >= (dropout[2].to(gl.uint32) << 24), p, 0.0)
+        return p, alpha, row_max, row_sum
+
+    @gluon.jit
+    def _key_tile(o, p_prev, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
+                  slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+                  CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                  ALIBI_ABS: gl.constexpr):
+        """One step of the overlapped loop: S of key tile [n, n + KEYS) (ring buffer ``i``) and
+        O += P V of the previous tile (buffer i - 1, its P ``p_prev`` in OPERAND_LAYOUT) issued
+        together; P of this tile formed while the P V product runs. MASKED: this tile crosses a
+        band edge. Returns (o, p, row_max, row_sum)."""
+        dtype: gl.constexpr = k_bufs.dtype
+        KEYS: gl.constexpr = k_bufs.shape[1]
+        idx = i % STAGES
+        prev = (i + STAGES - 1) % STAGES
+        mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+        zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
+        s = warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        o = warpgroup_mma(p_prev, v_bufs.index(prev), o, is_async=True)
+        draws = 0
+        if DROPOUT_ & VARIANT:  # (drawn while the products run)
+            draws = dropout_rows(dropout, first_row, n, S_LAYOUT, CALLS_LAYOUT)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        p, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score,
+                                                    slope_log2, pivot_constant, dropout, draws, S_LAYOUT, MASKED,
+                                                    VARIANT, ALIBI_ABS)
+        p = gl.convert_layout(p.to(dtype), OPERAND_LAYOUT)
+        o = warpgroup_mma_wait(0, deps=(o,))
+        mbarrier.arrive(empty.index(prev), count=1)
+        if not (FIXED_PIVOT_ & VARIANT):
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+        return o, p, row_max, row_sum
+
+    @gluon.jit
+    def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
+                  start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream, dropout_threshold,
+                  dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, CALLS_LAYOUT: gl.constexpr,
+                  STAGES: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+        """One warpgroup: O and lse of query rows [start_m + WG * 64, + 64) over the key tiles
+        [keys_lo, keys_hi) the producer streams."""
+        KEYS: gl.constexpr = k_bufs.shape[1]
+        dtype: gl.constexpr = k_bufs.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, KEYS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        first_row = start_m + WG * ROWS
+        rows = first_row + gl.arange(0, ROWS, row_layout)
+        dropout = (RngState, stream, dropout_threshold)
+        slope_log2 = 0.0
+        if ALIBI_ & VARIANT:
+            slope_log2 = gl.load(slope) * LOG2E_
+        pivot_constant = 0.0
+        if FIXED_PIVOT_ & VARIANT:  # (scores.row_start: every exp2 within [2^-120, 2^32])
+            pivot_constant = gl.maximum(score[2] - PIVOT_HEADROOM, 0.0)
+            row_max = gl.full([ROWS], 0.0, gl.float32, row_layout) + pivot_constant
+            row_sum = gl.zeros([ROWS], gl.float32, row_layout)
+        elif SINKS_ & VARIANT:
+            row_max = gl.full([ROWS], 0.0, gl.float32, row_layout) + gl.load(sink).to(gl.float32) * LOG2E_
+            row_sum = gl.full([ROWS], 1.0, gl.float32, row_layout)
+        else:
+            row_max = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+            row_sum = gl.zeros([ROWS], gl.float32, row_layout)
+        q = q_smem.index(WG)
+        o = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+        # this warpgroup's key tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the ones
+        # before lo and from hi_end on it does not see (streamed for the other warpgroup)
+        lo, full_lo, full_hi, hi = _key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        hi_end = gl.maximum(gl.cdiv(hi, KEYS) * KEYS, lo)
+        mbarrier.wait(q_bar, 0)
+        i = 0
+        if MASK_LEFT_ & VARIANT:
+            i = release_unread(ready, empty, i, keys_lo, lo, KEYS, STAGES)
+        if lo < hi:
+            # prologue: the first tile's P, masked whichever range it lies in
+            mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+            zero_s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
+            s = warpgroup_mma(q, k_bufs.index(i % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            draws = 0
+            if DROPOUT_ & VARIANT:
+                draws = dropout_rows(dropout, first_row, lo, s_layout, CALLS_LAYOUT)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            p, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score, slope_log2,
+                                                    pivot_constant, dropout, draws, s_layout, True, VARIANT,
+                                                    ALIBI_ABS)
+            p = gl.convert_layout(p.to(dtype), operand_layout)
+            i += 1
+            second = lo + KEYS
+            if MASK_LEFT_ & VARIANT:
+                for n in range(second, full_lo, KEYS):
+                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
+                                                       first_row, rows, band, score, slope_log2, pivot_constant,
+                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
+                                                       VARIANT, ALIBI_ABS)
+                    i += 1
+            for n in range(gl.maximum(full_lo, second), full_hi, KEYS):
+                o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
+                                                   first_row, rows, band, score, slope_log2, pivot_constant, dropout,
+                                                   s_layout, operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                   ALIBI_ABS)
+                i += 1
+            if MASK_RIGHT_ & VARIANT:
+                for n in range(gl.maximum(full_hi, second), hi, KEYS):
+                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
+                                                       first_row, rows, band, score, slope_log2, pivot_constant,
+                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
+                                                       VARIANT, ALIBI_ABS)
+                    i += 1
+            # epilogue: the last tile's P V
+            last = (i + STAGES - 1) % STAGES
+            o = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
+            mbarrier.arrive(empty.index(last), count=1)
+        if MASK_RIGHT_ & VARIANT:
+            release_unread(ready, empty, i, hi_end, keys_hi, KEYS, STAGES)
+
+        empty_row = row_sum == 0.0
+        inv_sum = 1.0 / gl.where(empty_row, 1.0, row_sum)
+        if DROPOUT_ & VARIANT:
+            inv_sum = inv_sum * dropout_scale
+        lse = gl.where(empty_row, float("inf"), (row_max + gl.log2(gl.where(empty_row, 1.0, row_sum))) * LN2_)
+        gl.store(Lse + lse_base + rows, lse)
+        out_rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
+        dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+        o = o * gl.convert_layout(inv_sum, gl.SliceLayout(1, acc_layout))[:, None]
+        gl.store(Out + out_base + out_rows[:, None] * stride_om + dims[None, :], o.to(Out.dtype.element_ty))
+
+    @gluon.jit
+    def _forward_kernel(q_desc, k_desc, v_desc,
+                        q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
+                        v_batch_rows, v_head_rows, v_head_cols,
+                        Out, stride_ob, stride_oh, stride_om, Lse, stride_lse_b, stride_lse_h, Sinks, seqlen_k, diag,
+                        qk_log2, tanh_scale, softcap_log2, softmax_scale, window_left, window_right,
+                        AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
+                        HEAD_DIM: gl.constexpr, KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                        CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+        """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
+        and ALIBI_ABS its constexprs (VARIANT plus SINKS and FIXED_PIVOT); CALLS_LAYOUT:
+        ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls."""
+        tile = gl.program_id(0)
+        if MASK_RIGHT_ & VARIANT:  # longest rows first, so that the short ones fill the last wave
+            tile = gl.num_programs(0) - 1 - tile
+        start_m = tile * (2 * ROWS)
+        head = gl.program_id(1)
+        batch = gl.program_id(2)
+        kv_head = head // GROUP_SIZE
+        band = (diag, window_left, window_right)
+        score = (qk_log2, tanh_scale, softcap_log2)
+        # the key tiles any of the program's rows sees: the producer streams these
+        keys_lo, _, _, keys_hi = _key_tiles(start_m, start_m + 2 * ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        ready, empty = ring_barriers(STAGES)
+
+        lse_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+        out_base = batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+        stream = (batch * gl.num_programs(1) + head).to(gl.uint32)  # dropout's Philox stream
+        slope = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the head's ALiBi slope)
+        sink = Sinks + head
+        # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
+                         start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream,
+                         dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT, STAGES, VARIANT,
+                         ALIBI_ABS)),
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
+                         start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream,
+                         dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT, STAGES, VARIANT,
+                         ALIBI_ABS)),
+            (_producer, (q_desc, k_desc, v_desc,
+                         batch * q_batch_rows + head * q_head_rows + start_m, head * q_head_cols,
+                         batch * k_batch_rows + kv_head * k_head_rows, kv_head * k_head_cols,
+                         batch * v_batch_rows + kv_head * v_head_rows, kv_head * v_head_cols,
+                         q_smem, k_bufs, v_bufs, q_bar, ready, empty, keys_lo, keys_hi, STAGES)),
+        ], [4, 1], [REGISTERS, 24])

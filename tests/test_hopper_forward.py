@@ -1,0 +1,212 @@
+"""The forward's Gluon kernel for Hopper (flash_attention_kernel/hopper_forward.py).
+
+On a Hopper GPU under a checked Triton, dense forward calls whose seqlen_q and seqlen_k are
+multiples of 128, with head dim 64 or 128, bf16/fp16 and any options take it instead of the tl
+kernel. The cases cross what the kernel handles itself: its software pipeline (the first tile's
+P formed before the loop, the last tile's P V after it, whichever range they lie in), causal rows
+aligned bottom-right (rows that see no key end with lse +inf, or the sink), GQA groups, heads side
+by side or one under another in the TMA matrix view, packed qkv, window bounds that cut tiles
+anywhere, ALiBi on one side of the diagonal and on both, a softcap with the fixed pivot (bf16,
+softcap <= 52) and with the running max (fp16, or a larger softcap), sinks, and dropout, whose
+keep mask must be the one the tl kernels draw (``return_attn_probs``' S_dmask), bit for bit. Each
+meets the float64 bar, agrees with the tl kernel (FLASH_ATTENTION_GLUON=0) and repeats bit for bit.
+On the CPU the kernel cannot run: the CPU tests check the decision and compile it for sm_90 under
+the installed Triton.
+"""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+from conftest import ON_GPU
+from reference import FWD_FACTOR, assert_within_bar, attention_ref
+from sizes import BF16
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _bshd(batch, seqlen, heads, dtype, head_dim=128):
+    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=DEVICE)
+
+
+def _plan(fa, q, k, v, causal=False, **options):
+    """Whether ``hopper_forward.plan`` takes these inputs (as attention_forward asks it)."""
+    kernels = fa.flash_attention_kernel
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
+    return kernels.hopper_forward.plan(attention, layout, not ON_GPU, q, k, v)
+
+
+def test_taken_only_where_it_can_work(fa, monkeypatch):
+    q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 384, 2, BF16), _bshd(2, 384, 2, BF16)
+    checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_gluon.CHECKED_VERSIONS)
+    expected = ON_HOPPER and checked
+    assert _plan(fa, q, k, v, causal=True) == expected
+    assert _plan(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7) == expected
+    assert _plan(fa, q, k, v, sinks=torch.zeros(4, device=q.device)) == expected
+    assert not _plan(fa, q, k[:, :192], v[:, :192])  # (keys not a multiple of 128)
+    assert not _plan(fa, q[:, :192], k, v)  # (queries not a multiple of 128)
+    assert not _plan(fa, q[..., :96], k[..., :96], v[..., :96])  # (head dim)
+    assert not _plan(fa, q.float(), k.float(), v.float())
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
+    assert not _plan(fa, q, k, v, causal=True)
+
+
+# Compiled in a fresh process (see test_hopper_backward.py: an interpreter worker's state)
+_COMPILE_SCRIPT = """
+import importlib.util, pathlib, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+package_dir, name, head_dim, group, variant, alibi_abs = sys.argv[1:]
+head_dim, group, variant, alibi_abs = int(head_dim), int(group), int(variant), alibi_abs == "True"
+spec = importlib.util.spec_from_file_location(name, pathlib.Path(package_dir) / "__init__.py",
+                                              submodule_search_locations=[package_dir])
+package = importlib.util.module_from_spec(spec)
+sys.modules[name] = package
+spec.loader.exec_module(package)
+module = package.flash_attention_kernel.hopper_forward
+
+def descriptor(rows):
+    shared = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+    return f"tensordesc<bf16[{rows}, {head_dim}],{shared!r}>"
+
+types = dict(q_desc=descriptor(module.QUERY_ROWS), k_desc=descriptor(module.KEY_ROWS),
+             v_desc=descriptor(module.KEY_ROWS), Out="*bf16", Lse="*fp32", Sinks="*fp32", AlibiSlopes="*fp32",
+             RngState="*i64", qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
+             dropout_scale="fp32")
+constants = dict(HEAD_DIM=head_dim, KEYS=module.KEY_ROWS, GROUP_SIZE=group, STAGES=module.STAGES[head_dim],
+                 CALLS_LAYOUT=module.CALLS, VARIANT=variant, ALIBI_ABS=alibi_abs)
+function = module._forward_kernel
+signature = {n: "constexpr" if n in constants else types.get(n, "i64" if n.startswith("stride_o") else "i32")
+             for n in function.arg_names}
+compiled = triton.compile(GluonASTSource(function, signature, constants),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+assert compiled.asm["cubin"]
+assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
+"""
+
+
+@pytest.mark.parametrize("head_dim, group, options", [
+    (128, 1, dict(causal=True, softcap=30.0)), (64, 2, {}),
+    (128, 2, dict(causal=True, window_left=256, alibi=True, dropout_p=0.1, sinks=True)),
+], ids=["causal-softcap", "plain", "window-alibi-dropout-sinks"])
+def test_compiles_for_hopper(fa, head_dim, group, options):
+    """The kernel compiles to an sm_90 cubin under the installed Triton, with no GPU needed."""
+    kernels = fa.flash_attention_kernel
+    package_dir = str(pathlib.Path(fa.__file__).parent)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    options = dict(options)
+    alibi, sinks = options.pop("alibi", False), options.pop("sinks", False)
+    attention = kernels.AttentionOptions(0.125, alibi_slopes=torch.ones(1) if alibi else None,
+                                         sinks=torch.ones(1) if sinks else None, **options)
+    _, constexprs = kernels.hopper_gluon.option_arguments(attention, torch.empty(1))
+    variant = constexprs["VARIANT"] | kernels.hopper_forward.forward_bits(attention, BF16)
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, package_dir, fa.__name__, str(head_dim),
+                             str(group), str(variant), str(constexprs["ALIBI_ABS"])],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
+    return _bshd(batch, heads, seqlen, dtype, head_dim).transpose(1, 2)
+
+
+# (name, q, k, v builders, flash_attn_func options); "slopes" stands for ALiBi slopes of shape
+# (heads,), "batch slopes" for (batch, heads), "sinks" for s_aux
+CASES = [
+    ("gqa-causal", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), dict(causal=True)),
+    ("gqa4-full", lambda dt: (_bshd(1, 384, 8, dt), _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)), {}),
+    ("one-tile", lambda dt: (_bshd(3, 128, 2, dt), _bshd(3, 128, 2, dt), _bshd(3, 128, 2, dt)), {}),
+    ("fewer-queries-causal", lambda dt: (_bshd(2, 128, 2, dt), _bshd(2, 512, 2, dt), _bshd(2, 512, 2, dt)),
+     dict(causal=True)),
+    ("more-queries-causal", lambda dt: (_bshd(2, 512, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+     dict(causal=True)),  # (the first 256 rows see no key)
+    ("bhsd-view", lambda dt: (_bhsd_view(2, 128, 3, dt), _bhsd_view(2, 256, 3, dt), _bhsd_view(2, 256, 3, dt)),
+     dict(causal=True)),
+    ("qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), {}),
+    ("d64-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 64), _bshd(2, 384, 1, dt, 64), _bshd(2, 384, 1, dt, 64)),
+     dict(causal=True)),
+    ("softcap-fixed-pivot", lambda dt: (_bshd(2, 256, 2, dt) * 3, _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     dict(causal=True, softcap=30.0)),
+    ("softcap-running-max", lambda dt: (_bshd(2, 384, 2, dt) * 3, _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+     dict(softcap=60.0)),
+    ("sinks-causal", lambda dt: (_bshd(2, 384, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+     dict(causal=True, s_aux="sinks")),
+    ("window", lambda dt: (_bshd(2, 384, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     dict(window_size=(100, 37))),
+    ("window-causal-more-queries", lambda dt: (_bshd(2, 512, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+     dict(causal=True, window_size=(70, -1))),
+    ("diagonal-only", lambda dt: (_bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt)),
+     dict(window_size=(0, 0))),
+    ("left-edge-only", lambda dt: (_bshd(2, 384, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+     dict(window_size=(64, -1))),
+    ("window-past-the-sequence", lambda dt: (_bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt)),
+     dict(window_size=(5000, 5000))),
+    ("alibi-causal-gqa", lambda dt: (_bshd(2, 384, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     dict(causal=True, alibi_slopes="slopes")),
+    ("alibi", lambda dt: (_bshd(2, 256, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     dict(alibi_slopes="batch slopes")),
+    ("alibi-window-softcap", lambda dt: (_bshd(1, 384, 2, dt) * 2, _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)),
+     dict(window_size=(120, 90), alibi_slopes="slopes", softcap=8.0)),
+    ("dropout", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)), dict(dropout_p=0.17)),
+    ("dropout-causal-d64", lambda dt: (_bshd(2, 384, 2, dt, 64), _bshd(2, 256, 2, dt, 64), _bshd(2, 256, 2, dt, 64)),
+     dict(causal=True, dropout_p=0.3)),
+    ("everything", lambda dt: (_bshd(2, 256, 4, dt) * 2, _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     dict(causal=True, window_size=(170, -1), alibi_slopes="slopes", softcap=8.0, dropout_p=0.17, s_aux="sinks")),
+]
+
+
+def _forward(fa, monkeypatch, setting, q, k, v, options):
+    """(out, lse, keep mask or None) of flash_attn_func with FLASH_ATTENTION_GLUON=setting."""
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)
+    torch.manual_seed(7)
+    out, lse, S_dmask = fa.flash_attn_func(q, k, v, return_attn_probs=True, **options)
+    return out, lse, None if S_dmask is None else ~torch.signbit(S_dmask)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name, make, options", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, options, dtype):
+    q, k, v = make(dtype)
+    batch, heads = q.shape[0], q.shape[2]
+    stand_ins = {"slopes": torch.rand(heads, device=q.device) * 0.3 + 0.02,
+                 "batch slopes": torch.rand(batch, heads, device=q.device) * 0.3 + 0.02,
+                 "sinks": torch.randn(heads, device=q.device)}
+    options = {key: stand_ins.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
+    causal = options.get("causal", False)
+    attention_options = dict(window_left=options.get("window_size", (-1, -1))[0],
+                             window_right=options.get("window_size", (-1, -1))[1],
+                             softcap=options.get("softcap", 0.0), dropout_p=options.get("dropout_p", 0.0),
+                             alibi_slopes=options.get("alibi_slopes"), sinks=options.get("s_aux"))
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    assert _plan(fa, q, k, v, causal=causal, **attention_options)
+    ours, lse, keep = _forward(fa, monkeypatch, "1", q, k, v, options)
+    again = _forward(fa, monkeypatch, "1", q, k, v, options)
+    assert torch.equal(ours, again[0]) and torch.equal(lse, again[1])
+    tl_out, tl_lse, tl_keep = _forward(fa, monkeypatch, "0", q, k, v, options)
+    reference = dict(window=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0),
+                     alibi_slopes=options.get("alibi_slopes"), sinks=options.get("s_aux"))
+    if keep is not None:
+        assert torch.equal(keep, tl_keep)
+        reference.update(keep=keep, dropout_p=options["dropout_p"])
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    truth, truth_lse = attention_ref(q, k, v, causal, scale, torch.float64, **reference)
+    same_dtype, _ = attention_ref(q, k, v, causal, scale, dtype, **reference)
+    assert_within_bar("out", ours, same_dtype, truth, FWD_FACTOR)
+    assert_within_bar("out (tl kernel)", tl_out, same_dtype, truth, FWD_FACTOR)
+    # lse: +inf where a row sees no key (the reference's -inf), else fp32-close to the truth
+    no_key = torch.isneginf(truth_lse)
+    assert torch.equal(torch.isposinf(lse), no_key) and torch.equal(torch.isposinf(tl_lse), no_key)
+    torch.testing.assert_close(lse[~no_key].double(), truth_lse[~no_key], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, tl_lse, rtol=1e-5, atol=1e-5)
