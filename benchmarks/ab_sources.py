@@ -14,7 +14,7 @@ comma-separated list of names (fa_<name> in the folder), each optionally with ta
 ``name@kernel=BMxBNxWARPSxSTAGES[xtma]`` (configs.set_override). Each row is timed forward and
 backward, then every option row is printed as a rate ratio to the plain row of the same copy.
 
-Usage: python benchmarks/ab_sources.py COPIES_DIR SPEC_FILE
+Usage: python benchmarks/ab_sources.py COPIES_DIR SPEC_FILE [fwd|bwd]  (one direction only)
 """
 
 import importlib
@@ -84,14 +84,15 @@ def parse_copy(entry):
 
 
 def main(argv):
-    if len(argv) != 2:
+    if len(argv) not in (2, 3) or argv[2:] not in ([], ["fwd"], ["bwd"]):
         sys.exit(__doc__)
+    directions = argv[2:] or ("fwd", "bwd")
     sys.path.insert(0, argv[0])
     rows = [line.split() for line in open(argv[1]) if line.strip() and not line.startswith("#")]
     results = {}
     for kind, causal, seqlen, copies in rows:
         causal, seqlen = bool(int(causal)), int(seqlen)
-        for direction in ("fwd", "bwd"):
+        for direction in directions:
             timers = {}
             for entry in copies.split(","):
                 _, package, overrides = parse_copy(entry)

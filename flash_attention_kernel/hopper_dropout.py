@@ -48,14 +48,39 @@ def row_calls(keys: int):
 
 
 @gluon.jit
-def _philox(c0, c1, c2, c3, k0, k1):
+def _wide_by_a(x):
+    """(high, low) words of x * PHILOX_ROUND_A by one mul.wide.u32 (mul.hi and mul.lo take two;
+    the constant is spelled out: the asm is a literal)."""
+    return gl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+                                     "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _wide_by_b(x):
+    """(high, low) words of x * PHILOX_ROUND_B by one mul.wide.u32."""
+    return gl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+                                     "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _philox(c0, c1, c2, c3, k0, k1, WIDE: gl.constexpr):
     """Philox-4x32-7 of counters (c0, c1, c2, c3) and key (k0, k1): uint32 tensors or scalars that
-    broadcast (a counter constant along a dimension costs nothing there in the first rounds)."""
-    for _ in gl.static_range(PHILOX_ROUNDS):
-        c0, c1, c2, c3 = (gl.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
-                          gl.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
+    broadcast (a counter constant along a dimension costs nothing there in the first rounds).
+    WIDE: the products after the first round (whose operands may be scalars, which the asm does
+    not take) by mul.wide.u32, as scores._philox's WIDE_PRODUCTS; the dK/dV kernel's draws keep
+    mul.hi and mul.lo, which hold fewer registers live where that kernel spills."""
+    c0, c1, c2, c3 = (gl.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
+                      gl.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
+    for _ in gl.static_range(PHILOX_ROUNDS - 1):
         k0 = k0 + PHILOX_KEY_A
         k1 = k1 + PHILOX_KEY_B
+        if WIDE:
+            high_b, low_b = _wide_by_b(c2)
+            high_a, low_a = _wide_by_a(c0)
+        else:
+            high_b, low_b = gl.umulhi(c2, PHILOX_ROUND_B), c2 * PHILOX_ROUND_B
+            high_a, low_a = gl.umulhi(c0, PHILOX_ROUND_A), c0 * PHILOX_ROUND_A
+        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
     return c0, c1, c2, c3
 
 
@@ -120,7 +145,7 @@ def dropout_words(state, m, stream, LAYOUT: gl.constexpr):
     is the same for both its keys). The calls, then in CALLS, and their h and j % 2 are joined back
     in as S^T's register bits, so the final conversion only renames registers."""
     seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, _, _ = state
-    r0, r1, r2, r3 = _philox(key_groups, (m + call_queries).to(gl.uint32), stream, offset, seed_lo, seed_hi)
+    r0, r1, r2, r3 = _philox(key_groups, (m + call_queries).to(gl.uint32), stream, offset, seed_lo, seed_hi, False)
     words = gl.join(_with_neighbours_calls(gl.where(upper_keys, r1, r0), odd_keys),  # [kc, qc, h]
                     _with_neighbours_calls(gl.where(upper_keys, r3, r2), odd_keys))
     # [key // 16, key % 8, query // 16, query % 8, h, key // 8 % 2] -> S^T's [key, query]
@@ -164,7 +189,7 @@ def dropout_rows(dropout, first_row, n, LAYOUT: gl.constexpr, CALLS: gl.constexp
     key_groups = gl.expand_dims((n // 8 + calls).to(gl.uint32), 0)
     query_groups = gl.expand_dims((first_row + groups // 8 * 16 + groups % 8).to(gl.uint32), 1)
     r0, r1, r2, r3 = _philox(key_groups, query_groups, stream, offset, (seed & 0xFFFFFFFF).to(gl.uint32),
-                             (seed >> 32).to(gl.uint32))
+                             (seed >> 32).to(gl.uint32), True)
     words = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [.., .., j // 2, h]
     words = gl.join(gl.join(words, words), gl.join(words, words))  # [.., .., j // 2, h, e, j % 2]
     # [query // 16, query % 8, key // 32, key % 8 // 2, j // 2, h, e, j % 2] -> S's [query, key]

@@ -124,18 +124,20 @@ if gluon is not None:
         the online softmax step (module docstring); P is dropout's kept probabilities."""
         KEYS: gl.constexpr = s.shape[1]
         keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, S_LAYOUT))
-        t, unit = forward_logits(s, rows[:, None], keys[None, :], n, band, score, slope_log2, MASKED, VARIANT,
-                                 ALIBI_ABS)
+        t, unit, row_offset = forward_logits(s, rows, keys, n, band, score, slope_log2, MASKED, VARIANT, ALIBI_ABS)
         if FIXED_PIVOT_ & VARIANT:  # bounded logits: the pivot is a constant, nothing to rescale
             p = gl.exp2(t * unit - pivot_constant)
             alpha = 1.0
             row_sum = row_sum + gl.sum(p, 1)
         else:
-            new_max = gl.maximum(row_max, gl.max(t, 1) * unit)
+            new_max = gl.maximum(row_max, gl.max(t, 1) * unit - row_offset)
             pivot = new_max
             if MASKED:  # (a row with no visible key yet keeps -inf: pivot 0, no NaN)
                 pivot = gl.where(new_max == float("-inf"), 0.0, new_max)
-            p = gl.exp2(t * unit - pivot[:, None])
+            if ALIBI_ & VARIANT:  # (logits t * unit - row_offset)
+                p = gl.exp2(t * unit - (pivot + row_offset)[:, None])
+            else:
+                p = gl.exp2(t * unit - pivot[:, None])
             alpha = gl.exp2(row_max - pivot)
             row_sum = row_sum * alpha + gl.sum(p, 1)
             row_max = new_max

@@ -221,13 +221,15 @@ if gluon is not None:
         return x
 
     @gluon.jit
-    def forward_logits(s, queries, keys, key_base, band, score, slope_log2, MASKED: gl.constexpr,
+    def forward_logits(s, rows, keys, key_base, band, score, slope_log2, MASKED: gl.constexpr,
                        VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-        """(t, unit): the base-2 logits of a tile of q.k products ``s`` are t * unit, with t = -inf
-        where MASKED and outside the band (``tile_logits``' math without an lse, for the forward,
-        which subtracts its pivot in the same multiply-add as the unit). Without ALiBi t is the
-        softcap's tanh or s itself, so the logits cost nothing before that multiply-add; ALiBi's
-        bias is added to the scaled scores (unit 1), split as in ``tile_logits``."""
+        """(t, unit, row_offset): the base-2 logits of a tile of q.k products ``s`` (query ``rows``
+        by ``keys``, 1-D index vectors) are t * unit - row_offset (row_offset per row, or 0), with
+        t = -inf where MASKED and outside the band. ``tile_logits``' math without an lse, for the
+        forward, which subtracts its pivot in the same multiply-add as the unit: without ALiBi t
+        is the softcap's tanh or s itself, so the logits cost nothing before that multiply-add.
+        ALiBi's bias, in t's units, adds one operation per score below the diagonal (the key term;
+        the row term is row_offset) and two with ALIBI_ABS (-slope |d|)."""
         qk_log2, tanh_scale, softcap_log2 = score
         if SOFTCAP_ & VARIANT:
             t = tanh_approx(s * tanh_scale)
@@ -235,18 +237,20 @@ if gluon is not None:
         else:
             t = s
             unit = qk_log2
+        row_offset = 0.0
         if ALIBI_ & VARIANT:
             diag, _, _ = band
-            row_distance = (queries + (diag - key_base)).to(gl.float32)
+            row_distance = (rows + (diag - key_base)).to(gl.float32)
             key_offset = (keys - key_base).to(gl.float32)
+            slope = slope_log2 / unit
             if ALIBI_ABS:
-                t = t * unit - slope_log2 * gl.abs(row_distance - key_offset)
+                t = t - slope * gl.abs(row_distance[:, None] - key_offset[None, :])
             else:
-                t = t * unit - slope_log2 * row_distance + slope_log2 * key_offset
-            unit = 1.0
+                t = t + (slope * key_offset)[None, :]
+                row_offset = slope_log2 * row_distance
         if MASKED:
-            t = band_mask(t, queries, keys, band, VARIANT)
-        return t, unit
+            t = band_mask(t, rows[:, None], keys[None, :], band, VARIANT)
+        return t, unit, row_offset
 
     @gluon.jit
     def tile_logits_grad(ds, capped, VARIANT: gl.constexpr):
