@@ -1,21 +1,23 @@
-"""What the backward's Gluon kernels for Hopper (``hopper_dkdv``, ``hopper_dq``) share: where they
-may run, and the Gluon names that moved between Triton releases.
+"""What the Gluon kernels for Hopper (the forward ``hopper_forward``, the backward's ``hopper_dkdv``
+and ``hopper_dq``) share: where they may run, and the Gluon names that moved between Triton
+releases.
 
-Both kernels take FlashAttention-3's structure: a producer warp streams tiles by TMA through a
-ring of shared-memory buffers, two consumer warpgroups of 64 rows each read the ring out of step,
-so that one's per-score work (exp2, the softcap's tanh, the mask, dropout's draws) runs while the
+All three take FlashAttention-3's structure: a producer warp streams tiles by TMA through a ring
+of shared-memory buffers, two consumer warpgroups of 64 rows each read the ring out of step, so
+that one's per-score work (exp2, the softcap's tanh, the mask, dropout's draws) runs while the
 other's tensor-core products do. They run on sm_90 only, on dense bf16/fp16 calls whose tensors
 split into TMA rows (``launch.RowGeometry``) in full tiles (a ragged tile would read the next
 slice's rows), with head dim 64 or 128; every option (causal, window, softcap, ALiBi, sinks,
-dropout) runs in them. Everything else (varlen, ragged tiles, other head dims, fp32) takes the tl
-kernels.
+dropout) runs in them. Everything else (varlen, paged caches, ragged tiles, other head dims,
+fp32, calls traced by torch.compile) takes the tl kernels.
 
 Scores: the Gluon kernels cannot call ``scores.py``'s tl functions, so this module holds their
 Gluon form, the same math: ``band_tiles`` (which tiles a warpgroup visits: masked ones crossing a
 window edge, full ones, and the ones it releases unread because only the other warpgroup sees
-them), ``tile_logits`` (softcap, ALiBi, the band mask, minus the row's lse) and
-``tile_logits_grad`` (the softcap's tanh'). The kernels hold their tiles in opposite orientations
-(dK/dV: S^T, keys by queries; dQ: S), so these take index vectors already shaped to broadcast.
+them), ``band_mask``, ``tile_logits`` (softcap, ALiBi, the band mask, minus the row's lse),
+``tile_logits_grad`` (the softcap's tanh') and, for the forward, which has no lse yet,
+``forward_logits``. The backward kernels hold their tiles in opposite orientations (dK/dV: S^T,
+keys by queries; dQ: S), so ``tile_logits`` takes index vectors already shaped to broadcast.
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
 ``async_load`` from 3.9), so the module binds the name it finds and ``CHECKED_VERSIONS`` lists the
@@ -39,7 +41,7 @@ try:
 except ImportError:  # a Triton without Gluon: the tl kernels serve every call
     gluon = None
 
-# Triton releases under which these kernels ran the GPU suite (benchmarks/NOTES.md, v19, v20, v22)
+# Triton releases under which these kernels ran the GPU suite (benchmarks/NOTES.md, v19, v20, v22, v24)
 CHECKED_VERSIONS = ("3.6.", "3.9.")
 HEAD_DIMS = (64, 128)
 CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); the producer warp gets 24
@@ -52,13 +54,13 @@ ALL_OPTIONS = KERNEL_BITS | SINKS
 
 def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors, query_tile: int,
          key_tile: int, allowed_options: int = ALL_OPTIONS) -> bool:
-    """Whether a Gluon backward kernel whose tiles are ``query_tile`` query rows and ``key_tile``
-    keys can run this call (see the module docstring), with options among ``allowed_options``
-    (VARIANT bits). ``tensors``: q, k, v, dout.
+    """Whether a Gluon kernel whose tiles are ``query_tile`` query rows and ``key_tile`` keys can
+    run this call (see the module docstring), with options among ``allowed_options`` (VARIANT
+    bits). ``tensors``: q, k, v (and dout for the backward).
 
     FLASH_ATTENTION_GLUON unset: every call the kernels can run, under a Triton they were checked
-    with (they are faster than the tl kernels on each, NOTES v20, v22); "1": also under other
-    Tritons; "0": none."""
+    with (they are faster than the tl kernels on each, NOTES v20, v22, v24); "1": also under
+    other Tritons; "0": none."""
     if gluon is None or interpreted or any(is_fake(x) for x in tensors):  # (traced: the graph keeps the tl kernels)
         return False
     setting = os.environ.get("FLASH_ATTENTION_GLUON", "")

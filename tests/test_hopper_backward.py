@@ -253,7 +253,7 @@ def test_dropout_redraws_the_forward_mask(fa, monkeypatch, name, make, causal, t
             assert all(torch.equal(a, b) for a, b in zip(grads, runs[setting][1]))
         runs[setting] = (~torch.signbit(S_dmask), grads)
     keep = runs["1"][0]
-    assert torch.equal(keep, runs["0"][0])  # (the forward is the same tl kernel)
+    assert torch.equal(keep, runs["0"][0])  # (S_dmask comes from the same tl kernel)
     scale = 1.0 / math.sqrt(q.shape[-1])
     options = dict(softcap=softcap, keep=keep, dropout_p=dropout_p)
     _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **options)

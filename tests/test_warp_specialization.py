@@ -24,6 +24,13 @@ from sizes import BF16
 HEAD_DIM = 128  # a width with warp-specialised entries for the forward and dQ kernels
 
 
+@pytest.fixture(autouse=True)
+def _tl_kernels(monkeypatch):
+    """The tl kernels' warp-specialised loops are under test: on Hopper the Gluon kernels
+    (hopper_forward, hopper_dkdv, hopper_dq) would take these calls."""
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
+
+
 def _descriptors_possible():
     """Whether the warp-specialised loop can run here: a Hopper GPU (only its config class has
     warp-specialised entries, configs.TABLES) or the interpreter."""
