@@ -1,5 +1,6 @@
-"""Dropout's keep mask in Gluon, for the score tiles of the Hopper backward kernels: the
-transposed ones of the dK/dV kernel (hopper_dkdv.py) and the dQ kernel's (hopper_dq.py).
+"""Dropout's keep mask in Gluon, for the score tiles of the Hopper kernels: the transposed ones
+of the dK/dV kernel (hopper_dkdv.py) and the S tiles of the dQ kernel (hopper_dq.py) and the
+forward (hopper_forward.py).
 
 Every kernel draws dropout's bits from Philox-4x32-7 (scores.dropout_keep): one call per 16
 (query, key) pairs, keyed by the seed at counter (key group, query group, stream, offset), and a
@@ -12,9 +13,10 @@ layout: each thread makes 4 calls per tile and takes 4 more from its neighbour l
 dP where the draw stays under the threshold. tests/test_hopper_backward.py checks the result bit for
 bit against the mask the forward returns.
 
-The dQ kernel's [64 queries, KEYS] S tiles hold each call's 16 pairs on one thread, as the
-forward's do: ``dropout_rows`` makes KEYS / 32 calls per thread and spreads their words over the pairs by
-joins alone, ``drop_unkept_rows`` zeroes dP where the draw stays under the threshold.
+The [64 queries, KEYS] S tiles of the dQ kernel and the forward hold each call's 16 pairs on one
+thread: ``dropout_rows`` makes KEYS / 32 calls per thread and spreads their words over the pairs
+by joins alone, ``drop_unkept_rows`` zeroes dP (dQ) or P (forward) where the draw stays under the
+threshold.
 """
 
 from triton.experimental import gluon
@@ -201,6 +203,7 @@ def dropout_rows(dropout, first_row, n, LAYOUT: gl.constexpr, CALLS: gl.constexp
 
 
 @gluon.jit
-def drop_unkept_rows(dropout, draws, dp):
-    """dp where the pair's draw (the top byte of ``draws``, ``dropout_rows``) reaches the threshold, else 0."""
-    return gl.where(draws >= (dropout[2].to(gl.uint32) << 24), dp, 0.0)
+def drop_unkept_rows(dropout, draws, x):
+    """x (the dQ kernel's dP, the forward's P) where the pair's draw (the top byte of ``draws``,
+    ``dropout_rows``) reaches the threshold, else 0."""
+    return gl.where(draws >= (dropout[2].to(gl.uint32) << 24), x, 0.0)

@@ -40,7 +40,7 @@ from .options import FIXED_PIVOT, SINKS, AttentionOptions
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-    from .hopper_dropout import dropout_rows, row_calls
+    from .hopper_dropout import drop_unkept_rows, dropout_rows, row_calls
     from .hopper_gluon import (
         ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, forward_logits, release_unread, ring_barriers,
         tma_load,
@@ -117,8 +117,8 @@ if gluon is not None:
             i += 1
 
     @gluon.jit
-    def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2, pivot_constant, dropout,
-                       draws, S_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+    def _probabilities(s, row_max, row_sum, n, rows, band, score, slope_log2, pivot_constant, dropout, draws,
+                       S_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
                        ALIBI_ABS: gl.constexpr):
         """(P, alpha, row_max, row_sum) of key tile [n, n + KEYS) from its q.k products ``s``:
         the online softmax step (module docstring); P is dropout's kept probabilities."""
@@ -142,7 +142,7 @@ if gluon is not None:
             row_sum = row_sum * alpha + gl.sum(p, 1)
             row_max = new_max
         if DROPOUT_ & VARIANT:
-            p = gl.where(draws >= (dropout[2].to(gl.uint32) << 24), p, 0.0)
+            p = drop_unkept_rows(dropout, draws, p)
         return p, alpha, row_max, row_sum
 
     @gluon.jit
@@ -166,9 +166,9 @@ if gluon is not None:
         if DROPOUT_ & VARIANT:  # (drawn while the products run)
             draws = dropout_rows(dropout, first_row, n, S_LAYOUT, CALLS_LAYOUT)
         s = warpgroup_mma_wait(1, deps=(s,))
-        p, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score,
-                                                    slope_log2, pivot_constant, dropout, draws, S_LAYOUT, MASKED,
-                                                    VARIANT, ALIBI_ABS)
+        p, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, rows, band, score, slope_log2,
+                                                    pivot_constant, dropout, draws, S_LAYOUT, MASKED, VARIANT,
+                                                    ALIBI_ABS)
         p = gl.convert_layout(p.to(dtype), OPERAND_LAYOUT)
         o = warpgroup_mma_wait(0, deps=(o,))
         mbarrier.arrive(empty.index(prev), count=1)
@@ -227,7 +227,7 @@ if gluon is not None:
             if DROPOUT_ & VARIANT:
                 draws = dropout_rows(dropout, first_row, lo, s_layout, CALLS_LAYOUT)
             s = warpgroup_mma_wait(0, deps=(s,))
-            p, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score, slope_log2,
+            p, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, rows, band, score, slope_log2,
                                                     pivot_constant, dropout, draws, s_layout, True, VARIANT,
                                                     ALIBI_ABS)
             p = gl.convert_layout(p.to(dtype), operand_layout)
