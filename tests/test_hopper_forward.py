@@ -55,6 +55,11 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert not _plan(fa, q[:, :192], k, v)  # (queries not a multiple of 128)
     assert not _plan(fa, q[..., :96], k[..., :96], v[..., :96])  # (head dim)
     assert not _plan(fa, q.float(), k.float(), v.float())
+    kernels = fa.flash_attention_kernel
+    cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32, device=q.device)
+    varlen = kernels.launch.SequenceLayout.of(q.flatten(0, 1), k[:, :256].flatten(0, 1), cu_seqlens, cu_seqlens, 256, 256)
+    assert not kernels.hopper_forward.plan(kernels.AttentionOptions(q.shape[-1] ** -0.5, True), varlen, not ON_GPU,
+                                           q.flatten(0, 1), k[:, :256].flatten(0, 1), v[:, :256].flatten(0, 1))
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
     assert not _plan(fa, q, k, v, causal=True)
 
