@@ -42,8 +42,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from .hopper_dropout import drop_unkept_rows, dropout_rows, row_calls
     from .hopper_gluon import (
-        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, release_unread, ring_barriers, tile_logits,
-        tile_logits_grad, tma_load,
+        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, query_block, release_unread, ring_barriers,
+        stream_key_tiles, tile_logits, tile_logits_grad, tma_load,
     )
 
 QUERY_ROWS = 64  # query rows per consumer warpgroup: the wgmma M of S and dQ
@@ -85,30 +85,15 @@ if gluon is not None:
     REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
 
     @gluon.jit
-    def _key_tiles(first_row, last_row, seqlen_k, band, KEYS: gl.constexpr, VARIANT: gl.constexpr):
-        """``band_tiles`` over the keys for query rows first_row..last_row: row i sees keys
-        i + diag - left .. i + diag + right."""
-        diag, left, right = band
-        return band_tiles(first_row, last_row, diag - left, diag + right, seqlen_k, KEYS, MASK_LEFT_ & VARIANT,
-                          MASK_RIGHT_ & VARIANT)
-
-    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
                   q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, keys_lo, keys_hi, STAGES: gl.constexpr):
         """One warp: the program's Q and dO once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
-        KEYS: gl.constexpr = k_bufs.shape[1]
         mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
         for w in gl.static_range(2):
             tma_load(q_desc, [q_row + w * ROWS, q_col], qdo_bar, q_smem.index(w))
             tma_load(do_desc, [do_row + w * ROWS, do_col], qdo_bar, do_smem.index(w))
-        i = 0
-        for n in range(keys_lo, keys_hi, KEYS):
-            idx = i % STAGES
-            mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
-            mbarrier.expect(ready.index(idx), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma_load(k_desc, [k_row + n, k_col], ready.index(idx), k_bufs.index(idx))
-            tma_load(v_desc, [v_row + n, v_col], ready.index(idx), v_bufs.index(idx))
-            i += 1
+        stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
+                         STAGES)
 
     @gluon.jit
     def _key_tile(dq, q, do, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, lse_log2, delta, band, score,
@@ -171,7 +156,7 @@ if gluon is not None:
         dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
         # this warpgroup's key tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the ones
         # before lo and from hi_end on it does not see (streamed for the other warpgroup)
-        lo, full_lo, full_hi, hi = _key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        lo, full_lo, full_hi, hi = key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
         hi_end = gl.maximum(gl.cdiv(hi, KEYS) * KEYS, lo)
         mbarrier.wait(qdo_bar, 0)
         i = 0
@@ -211,17 +196,12 @@ if gluon is not None:
         """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
         and ALIBI_ABS its constexprs; CALLS_LAYOUT: ``hopper_dropout.row_calls(KEYS)``, the layout
         of dropout's Philox calls."""
-        tile = gl.program_id(0)
-        if MASK_RIGHT_ & VARIANT:  # longest rows first, so that the short ones fill the last wave
-            tile = gl.num_programs(0) - 1 - tile
-        start_m = tile * (2 * ROWS)
-        head = gl.program_id(1)
-        batch = gl.program_id(2)
+        start_m, head, batch = query_block(2 * ROWS, VARIANT)
         kv_head = head // GROUP_SIZE
         band = (diag, window_left, window_right)
         score = (qk_log2, tanh_scale, softcap_log2)
         # the key tiles any of the program's rows sees: the producer streams these
-        keys_lo, _, _, keys_hi = _key_tiles(start_m, start_m + 2 * ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        keys_lo, _, _, keys_hi = key_tiles(start_m, start_m + 2 * ROWS - 1, seqlen_k, band, KEYS, VARIANT)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, ROWS, HEAD_DIM], do_desc.layout)

@@ -42,8 +42,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from .hopper_dropout import drop_unkept_rows, dropout_rows, row_calls
     from .hopper_gluon import (
-        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, forward_logits, release_unread, ring_barriers,
-        tma_load,
+        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, forward_logits, key_tiles, query_block, release_unread,
+        ring_barriers, stream_key_tiles, tma_load,
     )
     from .scores import PIVOT_HEADROOM
 
@@ -92,36 +92,38 @@ if gluon is not None:
     LN2_ = gl.constexpr(0.6931471805599453)
 
     @gluon.jit
-    def _key_tiles(first_row, last_row, seqlen_k, band, KEYS: gl.constexpr, VARIANT: gl.constexpr):
-        """``band_tiles`` over the keys for query rows first_row..last_row: row i sees keys
-        i + diag - left .. i + diag + right."""
-        diag, left, right = band
-        return band_tiles(first_row, last_row, diag - left, diag + right, seqlen_k, KEYS, MASK_LEFT_ & VARIANT,
-                          MASK_RIGHT_ & VARIANT)
-
-    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_row, q_col, k_row, k_col, v_row, v_col, q_smem, k_bufs, v_bufs, q_bar,
                   ready, empty, keys_lo, keys_hi, STAGES: gl.constexpr):
         """One warp: the program's Q once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
-        KEYS: gl.constexpr = k_bufs.shape[1]
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         for w in gl.static_range(2):
             tma_load(q_desc, [q_row + w * ROWS, q_col], q_bar, q_smem.index(w))
-        i = 0
-        for n in range(keys_lo, keys_hi, KEYS):
-            idx = i % STAGES
-            mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
-            mbarrier.expect(ready.index(idx), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma_load(k_desc, [k_row + n, k_col], ready.index(idx), k_bufs.index(idx))
-            tma_load(v_desc, [v_row + n, v_col], ready.index(idx), v_bufs.index(idx))
-            i += 1
+        stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
+                         STAGES)
 
     @gluon.jit
-    def _probabilities(s, row_max, row_sum, n, rows, band, score, slope_log2, pivot_constant, dropout, draws,
-                       S_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
-                       ALIBI_ABS: gl.constexpr):
-        """(P, alpha, row_max, row_sum) of key tile [n, n + KEYS) from its q.k products ``s``:
-        the online softmax step (module docstring); P is dropout's kept probabilities."""
+    def _issue_scores(q, k_bufs, ready, i, S_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
+        """Issue S = Q K^T of the key tile in ring buffer ``i`` once it has arrived; returns the
+        product in flight."""
+        KEYS: gl.constexpr = k_bufs.shape[1]
+        idx = i % STAGES
+        mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+        zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
+        return warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2, pivot_constant, dropout,
+                       DTYPE: gl.constexpr, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+                       CALLS_LAYOUT: gl.constexpr, PENDING: gl.constexpr, MASKED: gl.constexpr,
+                       VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+        """(P, alpha, row_max, row_sum) of key tile [n, n + KEYS) from its S product ``s`` in
+        flight (PENDING younger products may stay in flight): dropout's draws while it runs, then
+        the online softmax step (module docstring); P is dropout's kept probabilities, in DTYPE
+        and OPERAND_LAYOUT for the P V product."""
+        draws = 0
+        if DROPOUT_ & VARIANT:  # (drawn while the products run)
+            draws = dropout_rows(dropout, first_row, n, S_LAYOUT, CALLS_LAYOUT)
+        s = warpgroup_mma_wait(PENDING, deps=(s,))
         KEYS: gl.constexpr = s.shape[1]
         keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, S_LAYOUT))
         t, unit, row_offset = forward_logits(s, rows, keys, n, band, score, slope_log2, MASKED, VARIANT, ALIBI_ABS)
@@ -143,7 +145,7 @@ if gluon is not None:
             row_max = new_max
         if DROPOUT_ & VARIANT:
             p = drop_unkept_rows(dropout, draws, p)
-        return p, alpha, row_max, row_sum
+        return gl.convert_layout(p.to(DTYPE), OPERAND_LAYOUT), alpha, row_max, row_sum
 
     @gluon.jit
     def _key_tile(o, p_prev, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
@@ -154,22 +156,12 @@ if gluon is not None:
         O += P V of the previous tile (buffer i - 1, its P ``p_prev`` in OPERAND_LAYOUT) issued
         together; P of this tile formed while the P V product runs. MASKED: this tile crosses a
         band edge. Returns (o, p, row_max, row_sum)."""
-        dtype: gl.constexpr = k_bufs.dtype
-        KEYS: gl.constexpr = k_bufs.shape[1]
-        idx = i % STAGES
         prev = (i + STAGES - 1) % STAGES
-        mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
-        zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
-        s = warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = _issue_scores(q, k_bufs, ready, i, S_LAYOUT, STAGES)
         o = warpgroup_mma(p_prev, v_bufs.index(prev), o, is_async=True)
-        draws = 0
-        if DROPOUT_ & VARIANT:  # (drawn while the products run)
-            draws = dropout_rows(dropout, first_row, n, S_LAYOUT, CALLS_LAYOUT)
-        s = warpgroup_mma_wait(1, deps=(s,))
-        p, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, rows, band, score, slope_log2,
-                                                    pivot_constant, dropout, draws, S_LAYOUT, MASKED, VARIANT,
-                                                    ALIBI_ABS)
-        p = gl.convert_layout(p.to(dtype), OPERAND_LAYOUT)
+        p, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2,
+                                                    pivot_constant, dropout, k_bufs.dtype, S_LAYOUT, OPERAND_LAYOUT,
+                                                    CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_ABS)
         o = warpgroup_mma_wait(0, deps=(o,))
         mbarrier.arrive(empty.index(prev), count=1)
         if not (FIXED_PIVOT_ & VARIANT):
@@ -184,7 +176,6 @@ if gluon is not None:
         """One warpgroup: O and lse of query rows [start_m + WG * 64, + 64) over the key tiles
         [keys_lo, keys_hi) the producer streams."""
         KEYS: gl.constexpr = k_bufs.shape[1]
-        dtype: gl.constexpr = k_bufs.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, KEYS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -212,7 +203,7 @@ if gluon is not None:
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
         # this warpgroup's key tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the ones
         # before lo and from hi_end on it does not see (streamed for the other warpgroup)
-        lo, full_lo, full_hi, hi = _key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        lo, full_lo, full_hi, hi = key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
         hi_end = gl.maximum(gl.cdiv(hi, KEYS) * KEYS, lo)
         mbarrier.wait(q_bar, 0)
         i = 0
@@ -220,17 +211,10 @@ if gluon is not None:
             i = release_unread(ready, empty, i, keys_lo, lo, KEYS, STAGES)
         if lo < hi:
             # prologue: the first tile's P, masked whichever range it lies in
-            mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-            zero_s = gl.zeros([ROWS, KEYS], gl.float32, s_layout)
-            s = warpgroup_mma(q, k_bufs.index(i % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            draws = 0
-            if DROPOUT_ & VARIANT:
-                draws = dropout_rows(dropout, first_row, lo, s_layout, CALLS_LAYOUT)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            p, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, rows, band, score, slope_log2,
-                                                    pivot_constant, dropout, draws, s_layout, True, VARIANT,
-                                                    ALIBI_ABS)
-            p = gl.convert_layout(p.to(dtype), operand_layout)
+            s = _issue_scores(q, k_bufs, ready, i, s_layout, STAGES)
+            p, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score, slope_log2,
+                                                    pivot_constant, dropout, k_bufs.dtype, s_layout, operand_layout,
+                                                    CALLS_LAYOUT, 0, True, VARIANT, ALIBI_ABS)
             i += 1
             second = lo + KEYS
             if MASK_LEFT_ & VARIANT:
@@ -284,17 +268,12 @@ if gluon is not None:
         """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
         and ALIBI_ABS its constexprs (VARIANT plus SINKS and FIXED_PIVOT); CALLS_LAYOUT:
         ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls."""
-        tile = gl.program_id(0)
-        if MASK_RIGHT_ & VARIANT:  # longest rows first, so that the short ones fill the last wave
-            tile = gl.num_programs(0) - 1 - tile
-        start_m = tile * (2 * ROWS)
-        head = gl.program_id(1)
-        batch = gl.program_id(2)
+        start_m, head, batch = query_block(2 * ROWS, VARIANT)
         kv_head = head // GROUP_SIZE
         band = (diag, window_left, window_right)
         score = (qk_log2, tanh_scale, softcap_log2)
         # the key tiles any of the program's rows sees: the producer streams these
-        keys_lo, _, _, keys_hi = _key_tiles(start_m, start_m + 2 * ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        keys_lo, _, _, keys_hi = key_tiles(start_m, start_m + 2 * ROWS - 1, seqlen_k, band, KEYS, VARIANT)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, HEAD_DIM], k_desc.layout)

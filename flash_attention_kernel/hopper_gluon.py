@@ -165,6 +165,40 @@ if gluon is not None:
         return lo, full_lo, full_hi, hi
 
     @gluon.jit
+    def key_tiles(first_row, last_row, seqlen_k, band, KEYS: gl.constexpr, VARIANT: gl.constexpr):
+        """``band_tiles`` over the keys for query rows first_row..last_row (the forward and dQ
+        kernels): row i sees keys i + diag - left .. i + diag + right, band = (diag, left, right)."""
+        diag, left, right = band
+        return band_tiles(first_row, last_row, diag - left, diag + right, seqlen_k, KEYS, MASK_LEFT_ & VARIANT,
+                          MASK_RIGHT_ & VARIANT)
+
+    @gluon.jit
+    def query_block(ROWS: gl.constexpr, VARIANT: gl.constexpr):
+        """(first query row, head, batch) of a program of the forward and dQ kernels, which own
+        ROWS query rows each (grid: query blocks, heads, batch). With an upper band edge (causal)
+        the blocks run in reverse, longest rows first, so that the short ones fill the last wave."""
+        block = gl.program_id(0)
+        if MASK_RIGHT_ & VARIANT:
+            block = gl.num_programs(0) - 1 - block
+        return block * ROWS, gl.program_id(1), gl.program_id(2)
+
+    @gluon.jit
+    def stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
+                         STAGES: gl.constexpr):
+        """The producer warp's loop of the forward and dQ kernels: the (K, V) tiles of keys
+        [keys_lo, keys_hi) by TMA through the ring of STAGES buffers, each loaded once both
+        consumer warpgroups have released its buffer ("empty") and announced on "ready"."""
+        KEYS: gl.constexpr = k_bufs.shape[1]
+        i = 0
+        for n in range(keys_lo, keys_hi, KEYS):
+            idx = i % STAGES
+            mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
+            mbarrier.expect(ready.index(idx), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma_load(k_desc, [k_row + n, k_col], ready.index(idx), k_bufs.index(idx))
+            tma_load(v_desc, [v_row + n, v_col], ready.index(idx), v_bufs.index(idx))
+            i += 1
+
+    @gluon.jit
     def release_unread(ready, empty, i, start, end, BLOCK: gl.constexpr, STAGES: gl.constexpr):
         """Release the ring buffers of tiles [start, end) (start a multiple of BLOCK) unread: tiles
         the producer streams for the other warpgroup. Each is waited for, so that no arrival on
