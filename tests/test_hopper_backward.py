@@ -15,16 +15,13 @@ Gluon API changes by release).
 """
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import triton
 
 from conftest import ON_GPU
+from gluon_compile import assert_compiles_for_hopper
 from reference import BWD_FACTOR, assert_within_bar, run_ref
 from sizes import BF16
 
@@ -79,23 +76,10 @@ def test_taken_only_where_they_can_work(fa, monkeypatch):
     assert not any(_plans(fa, q, k, v))
 
 
-# Compiled in a fresh process: the check needs the installed Triton's compiler only, and a test
-# worker that has run kernels through TRITON_INTERPRET=1 can carry the interpreter's state into it
-# (CI saw gl.program_id return a bare IR value there, once, in one worker).
-_COMPILE_SCRIPT = """
-import importlib.util, pathlib, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-
-package_dir, name, kernel, head_dim, group, variant, alibi_abs = sys.argv[1:]
+# (tests/gluon_compile.py: args kernel, head dim, group, VARIANT, ALIBI_ABS)
+_KERNEL_SIGNATURE = """
+kernel, head_dim, group, variant, alibi_abs = args
 head_dim, group, variant, alibi_abs = int(head_dim), int(group), int(variant), alibi_abs == "True"
-spec = importlib.util.spec_from_file_location(name, pathlib.Path(package_dir) / "__init__.py",
-                                              submodule_search_locations=[package_dir])
-package = importlib.util.module_from_spec(spec)
-sys.modules[name] = package
-spec.loader.exec_module(package)
 module = getattr(package.flash_attention_kernel, "hopper_" + kernel)
 shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
 descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
@@ -123,10 +107,6 @@ constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=module.STAGES[head_
 signature = dict(
     q_desc=descriptor, k_desc=descriptor, v_desc=descriptor, do_desc=descriptor, **{n: "i32" for n in geometry},
     **arguments, **options, **{key: "constexpr" for key in constants})
-compiled = triton.compile(GluonASTSource(function, signature, constants),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-assert compiled.asm["cubin"]
-assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
 """
 
 
@@ -138,16 +118,12 @@ assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register 
 ], ids=["causal-softcap", "plain", "causal-dropout", "window-alibi", "everything"])
 def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
     """The kernels compile to sm_90 cubins under the installed Triton, with no GPU needed."""
-    package_dir = str(pathlib.Path(fa.__file__).parent)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     alibi = options.pop("alibi", False)
     attention = fa.flash_attention_kernel.AttentionOptions(
         0.125, alibi_slopes=torch.ones(1) if alibi else None, **options)
     _, constexprs = fa.flash_attention_kernel.hopper_gluon.option_arguments(attention, torch.empty(1))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, package_dir, fa.__name__, kernel, str(head_dim),
-                             str(group), str(constexprs["VARIANT"]), str(constexprs["ALIBI_ABS"])],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, kernel, head_dim, group, constexprs["VARIANT"],
+                               constexprs["ALIBI_ABS"])
 
 
 def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):

@@ -15,16 +15,13 @@ the installed Triton.
 """
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import triton
 
 from conftest import ON_GPU
+from gluon_compile import assert_compiles_for_hopper
 from reference import FWD_FACTOR, assert_within_bar, attention_ref
 from sizes import BF16
 
@@ -64,21 +61,9 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert not _plan(fa, q, k, v, causal=True)
 
 
-# Compiled in a fresh process (see test_hopper_backward.py: an interpreter worker's state)
-_COMPILE_SCRIPT = """
-import importlib.util, pathlib, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-
-package_dir, name, head_dim, group, variant, alibi_abs = sys.argv[1:]
-head_dim, group, variant, alibi_abs = int(head_dim), int(group), int(variant), alibi_abs == "True"
-spec = importlib.util.spec_from_file_location(name, pathlib.Path(package_dir) / "__init__.py",
-                                              submodule_search_locations=[package_dir])
-package = importlib.util.module_from_spec(spec)
-sys.modules[name] = package
-spec.loader.exec_module(package)
+# (tests/gluon_compile.py: args head dim, group, VARIANT, ALIBI_ABS)
+_KERNEL_SIGNATURE = """
+head_dim, group, variant, alibi_abs = int(args[0]), int(args[1]), int(args[2]), args[3] == "True"
 module = package.flash_attention_kernel.hopper_forward
 
 def descriptor(rows):
@@ -94,10 +79,6 @@ constants = dict(HEAD_DIM=head_dim, KEYS=module.KEY_ROWS, GROUP_SIZE=group, STAG
 function = module._forward_kernel
 signature = {n: "constexpr" if n in constants else types.get(n, "i64" if n.startswith("stride_o") else "i32")
              for n in function.arg_names}
-compiled = triton.compile(GluonASTSource(function, signature, constants),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-assert compiled.asm["cubin"]
-assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
 """
 
 
@@ -108,18 +89,13 @@ assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register 
 def test_compiles_for_hopper(fa, head_dim, group, options):
     """The kernel compiles to an sm_90 cubin under the installed Triton, with no GPU needed."""
     kernels = fa.flash_attention_kernel
-    package_dir = str(pathlib.Path(fa.__file__).parent)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     options = dict(options)
     alibi, sinks = options.pop("alibi", False), options.pop("sinks", False)
     attention = kernels.AttentionOptions(0.125, alibi_slopes=torch.ones(1) if alibi else None,
                                          sinks=torch.ones(1) if sinks else None, **options)
     _, constexprs = kernels.hopper_gluon.option_arguments(attention, torch.empty(1))
     variant = constexprs["VARIANT"] | kernels.hopper_forward.forward_bits(attention, BF16)
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, package_dir, fa.__name__, str(head_dim),
-                             str(group), str(variant), str(constexprs["ALIBI_ABS"])],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, head_dim, group, variant, constexprs["ALIBI_ABS"])
 
 
 def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):

@@ -1,0 +1,46 @@
+"""Compile a Gluon kernel of the built package for sm_90 under the installed Triton, no GPU
+needed (tests/test_hopper_forward.py, test_hopper_backward.py: Gluon's API changes by release).
+
+In a fresh process: the check needs the installed Triton's compiler only, and a test worker that
+has run kernels through TRITON_INTERPRET=1 can carry the interpreter's state into it (CI saw
+gl.program_id return a bare IR value there, once, in one worker). The caller's script body sees
+``package`` (the built package, imported under its own name ``name``), ``gl`` and ``args`` (its
+arguments, as strings) and sets ``function``, ``signature`` and ``constants`` for
+``GluonASTSource``.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+_PRELUDE = """
+import importlib.util, pathlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+package_dir, name, *args = sys.argv[1:]
+spec = importlib.util.spec_from_file_location(name, pathlib.Path(package_dir) / "__init__.py",
+                                              submodule_search_locations=[package_dir])
+package = importlib.util.module_from_spec(spec)
+sys.modules[name] = package
+spec.loader.exec_module(package)
+"""
+
+_COMPILE = """
+compiled = triton.compile(GluonASTSource(function, signature, constants),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+assert compiled.asm["cubin"]
+assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
+"""
+
+
+def assert_compiles_for_hopper(fa, body: str, *args) -> None:
+    """Run ``body`` between the prelude (the package loaded) and the sm_90 compile, with ``args``."""
+    package_dir = str(pathlib.Path(fa.__file__).parent)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _PRELUDE + body + _COMPILE, package_dir, fa.__name__,
+                             *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
