@@ -43,7 +43,7 @@ if gluon is not None:
     from .hopper_dropout import drop_unkept_rows, dropout_rows, row_calls
     from .hopper_gluon import (
         ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, forward_logits, key_tiles, query_block, release_unread,
-        ring_barriers, stream_key_tiles, tma_load,
+        ring_barriers, round_pairs, stream_key_tiles, tma_load,
     )
     from .scores import PIVOT_HEADROOM
 
@@ -145,7 +145,7 @@ if gluon is not None:
             row_max = new_max
         if DROPOUT_ & VARIANT:
             p = drop_unkept_rows(dropout, draws, p)
-        return gl.convert_layout(p.to(DTYPE), OPERAND_LAYOUT), alpha, row_max, row_sum
+        return gl.convert_layout(round_pairs(p, DTYPE), OPERAND_LAYOUT), alpha, row_max, row_sum
 
     @gluon.jit
     def _key_tile(o, p_prev, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,

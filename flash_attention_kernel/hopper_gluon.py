@@ -131,6 +131,20 @@ if gluon is not None:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
 
+    @gluon.jit
+    def round_pairs(x, dtype: gl.constexpr):
+        """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16) two neighbouring elements per cvt, as
+        Triton lowers ``x.to(dtype)``, but as inline asm: LLVM then cannot move the rounding of a
+        loop-carried value across the loop's phi, where it splits into one cvt per element and
+        carries the fp32 values (then the compiled loop swaps each pair's halves back, one PRMT
+        per register, and holds twice the registers)."""
+        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                             is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+
     MASK_LEFT_, MASK_RIGHT_, SOFTCAP_, ALIBI_ = (gl.constexpr(bit) for bit in (MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI))
     DROPOUT_ = gl.constexpr(DROPOUT)
     LOG2E_ = gl.constexpr(LOG2E)
