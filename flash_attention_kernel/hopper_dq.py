@@ -40,7 +40,7 @@ from .options import DROPOUT, AttentionOptions
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-    from .hopper_dropout import drop_unkept_rows, dropout_rows, row_calls
+    from .hopper_dropout import dropout_rows, keep_pairs, row_calls
     from .hopper_gluon import (
         ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, query_block, release_unread, ring_barriers,
         stream_key_tiles, tile_logits, tile_logits_grad, tma_load,
@@ -120,7 +120,7 @@ if gluon is not None:
         p = gl.exp2(x)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         if DROPOUT_ & VARIANT:  # (dP's 1 / (1 - p) is in delta and in the final scale)
-            dp = drop_unkept_rows(dropout, words, dp)
+            dp = keep_pairs(dropout, words, dp)
         ds = tile_logits_grad(p * (dp - delta[:, None]), capped, VARIANT)
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), k, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))

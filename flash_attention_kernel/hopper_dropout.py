@@ -15,8 +15,9 @@ bit against the mask the forward returns.
 
 The [64 queries, KEYS] S tiles of the dQ kernel and the forward hold each call's 16 pairs on one
 thread: ``dropout_rows`` makes KEYS / 32 calls per thread and spreads their words over the pairs
-by joins alone, ``drop_unkept_rows`` zeroes dP (dQ) or P (forward) where the draw stays under the
-threshold.
+by joins alone, ``keep_pairs`` zeroes dP (dQ) or P (forward) where the draw stays under the
+threshold, deciding the two keys of a pair, whose draws are neighbouring bytes of a word, by one
+fp16x2 compare.
 """
 
 from triton.experimental import gluon
@@ -174,7 +175,7 @@ def drop_unkept(state, words, p, dp):
 def dropout_rows(dropout, first_row, n, LAYOUT: gl.constexpr, CALLS: gl.constexpr):
     """[64, KEYS] uint32 in LAYOUT (S's accumulator layout) for query rows [first_row, first_row +
     64) (first_row a multiple of 64) and keys [n, n + KEYS) (n a multiple of KEYS, 64 or 128; CALLS
-    = row_calls(KEYS)): each pair's 8-bit draw, shifted to the word's top byte. ``dropout`` =
+    = row_calls(KEYS)): for each pair, the Philox word that holds its 8-bit draw. ``dropout`` =
     (RngState, stream, threshold), stream = batch * heads + head.
 
     scores.dropout_keep's mapping: pair (query 16 a + 8 h + r, key 32 t + 8 j + 2 c + e) draws
@@ -197,13 +198,64 @@ def dropout_rows(dropout, first_row, n, LAYOUT: gl.constexpr, CALLS: gl.constexp
     # [query // 16, query % 8, key // 32, key % 8 // 2, j // 2, h, e, j % 2] -> S's [query, key]
     words = gl.reshape(words, [4, 8, KEYS // 32, 4, 2, 2, 2, 2])
     words = gl.reshape(gl.permute(words, (0, 5, 1, 2, 4, 7, 3, 6)), [TILE, KEYS])
-    keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, LAYOUT))
-    byte_shift = (24 - 8 * (keys // 8 % 2 * 2 + keys % 2)).to(gl.uint32)
-    return gl.convert_layout(words, LAYOUT) << byte_shift[None, :]
+    return gl.convert_layout(words, LAYOUT)
+
 
 
 @gluon.jit
-def drop_unkept_rows(dropout, draws, x):
-    """x (the dQ kernel's dP, the forward's P) where the pair's draw (the top byte of ``draws``,
-    ``dropout_rows``) reaches the threshold, else 0."""
-    return gl.where(draws >= (dropout[2].to(gl.uint32) << 24), x, 0.0)
+def _by_key_halves(x):
+    """[64, KEYS] tile ``x`` in S's accumulator layout split by bit 3 of the key (j % 2, a register
+    bit): (the keys with key % 16 < 8, the others), each [64, KEYS // 16, 8] with the key's bit 0
+    (e) as register bit 0, so that neighbouring registers hold a pair of neighbouring keys."""
+    KEYS: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [TILE, KEYS // 16, 2, 8]), (0, 1, 3, 2)))
+
+
+@gluon.jit
+def _keep_half(x, words, limit, HIGH: gl.constexpr):
+    """``keep_pairs`` of one half of ``_by_key_halves``: the pairs whose draws are bytes (0, 1) of
+    their word, or (2, 3) with HIGH. (PRMT's selector: bytes (0 or 2, 4, 1 or 3, 4) of (word,
+    0x04040404).)"""
+    if x.dtype == gl.float32:
+        if HIGH:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, 0x04040404, 0x4342; "
+                "setp.ge.f16x2 low|high, lanes, $6; selp.b32 $0, $2, 0, low; selp.b32 $1, $3, 0, high; }",
+                "=r,=r,r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, 0x04040404, 0x4140; "
+                "setp.ge.f16x2 low|high, lanes, $6; selp.b32 $0, $2, 0, low; selp.b32 $1, $3, 0, high; }",
+                "=r,=r,r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
+    else:
+        if HIGH:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, 0x04040404, 0x4342; "
+                "set.ge.u32.f16x2 keep, lanes, $4; and.b32 $0, $1, keep; }",
+                "=r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, 0x04040404, 0x4140; "
+                "set.ge.u32.f16x2 keep, lanes, $4; and.b32 $0, $1, keep; }",
+                "=r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
+
+
+@gluon.jit
+def keep_pairs(dropout, words, x):
+    """x where the pair's draw (its byte of ``words``, ``dropout_rows``) reaches the threshold,
+    else 0: the forward's P, already rounded to bf16 or fp16, or the dQ kernel's dP in fp32, in S's
+    accumulator layout.
+
+    The draws of two neighbouring keys (e = 0, 1) are neighbouring bytes of one word. One PRMT
+    puts the two bytes in the low bytes of the word's 16-bit halves under the byte 0x04: fp16
+    numbers 2^-14 (1 + byte / 1024), normal and ordered as the bytes, and one f16x2 compare with
+    the threshold spread the same way decides both. For P, whose two 16-bit values share a
+    register, the compare gives each half a mask of ones (kept) or zeros and one AND applies it:
+    1.5 instructions per score. For dP the compare sets two predicates and a select each applies
+    them: 2 per score. (A shift of the byte to the top, a compare and a select took 3.)"""
+    threshold = dropout[2].to(gl.uint32)
+    x_low, x_high = _by_key_halves(x)
+    words_low, words_high = _by_key_halves(words)
+    limit = gl.zeros_like(words_low) + (threshold | 0x400) * 0x10001
+    kept = gl.join(_keep_half(x_low, words_low, limit, False), _keep_half(x_high, words_high, limit, True))
+    return gl.convert_layout(gl.reshape(gl.permute(kept, (0, 1, 3, 2)), x.shape), x.type.layout)  # (a renaming)

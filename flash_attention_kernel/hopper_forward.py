@@ -40,7 +40,7 @@ from .options import FIXED_PIVOT, SINKS, AttentionOptions
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-    from .hopper_dropout import drop_unkept_rows, dropout_rows, row_calls
+    from .hopper_dropout import dropout_rows, keep_pairs, row_calls
     from .hopper_gluon import (
         ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, forward_logits, key_tiles, query_block, release_unread,
         ring_barriers, round_pairs, stream_key_tiles, tma_load,
@@ -143,9 +143,10 @@ if gluon is not None:
             alpha = gl.exp2(row_max - pivot)
             row_sum = row_sum * alpha + gl.sum(p, 1)
             row_max = new_max
+        p = round_pairs(p, DTYPE)
         if DROPOUT_ & VARIANT:
-            p = drop_unkept_rows(dropout, draws, p)
-        return gl.convert_layout(round_pairs(p, DTYPE), OPERAND_LAYOUT), alpha, row_max, row_sum
+            p = keep_pairs(dropout, draws, p)
+        return gl.convert_layout(p, OPERAND_LAYOUT), alpha, row_max, row_sum
 
     @gluon.jit
     def _key_tile(o, p_prev, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
