@@ -128,7 +128,7 @@ def dropout_state(RngState, threshold, first_key, keys):
     call_queries = (gl.expand_dims(call_index // 4 * 16 + call_index % 4 * 2, 0)
                     + gl.expand_dims(call_keys % 2, 1))  # (+ e: the calls of the thread's own e)
     # PRMT selector of a key's two bytes (keys k and k + 8 of a thread: bytes k % 2 and 2 + k % 2)
-    key_bytes = gl.where(keys % 2 == 1, 0x4341, 0x4240).to(gl.uint32)
+    key_bytes = gl.where(keys % 2 == 1, 0x5351, 0x5250).to(gl.uint32)
     return (seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, key_bytes,
             (threshold.to(gl.uint32) | 0x400) * 0x10001)
 
@@ -173,8 +173,8 @@ def drop_unkept(state, words, p, dp):
     limit = state[8]
     return gl.inline_asm_elementwise(
         "{ .reg .b32 lanes; .reg .pred k0, k1, k2, k3; "
-        "prmt.b32 lanes, $16, 0x04040404, $20; setp.ge.f16x2 k0|k2, lanes, $24; "
-        "prmt.b32 lanes, $17, 0x04040404, $20; setp.ge.f16x2 k1|k3, lanes, $24; "
+        "prmt.b32 lanes, $16, $24, $20; setp.ge.f16x2 k0|k2, lanes, $24; "
+        "prmt.b32 lanes, $17, $24, $20; setp.ge.f16x2 k1|k3, lanes, $24; "
         "selp.b32 $0, $8, 0, k0; selp.b32 $1, $9, 0, k1; selp.b32 $2, $10, 0, k2; selp.b32 $3, $11, 0, k3; "
         "selp.b32 $4, $12, 0, k0; selp.b32 $5, $13, 0, k1; selp.b32 $6, $14, 0, k2; selp.b32 $7, $15, 0, k3; }",
         "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",  # (a literal: Triton 3.6 takes no other)
@@ -225,28 +225,28 @@ def _by_key_halves(x):
 @gluon.jit
 def _keep_half(x, words, limit, HIGH: gl.constexpr):
     """``keep_pairs`` of one half of ``_by_key_halves``: the pairs whose draws are bytes (0, 1) of
-    their word, or (2, 3) with HIGH. (PRMT's selector: bytes (0 or 2, 4, 1 or 3, 4) of (word,
-    0x04040404).)"""
+    their word, or (2, 3) with HIGH. (PRMT's selector: bytes (0 or 2, 5, 1 or 3, 5) of (word,
+    limit), whose byte 1 is 0x04; a second immediate operand would cost a move per PRMT.)"""
     if x.dtype == gl.float32:
         if HIGH:
             return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, 0x04040404, 0x4342; "
+                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, $6, 0x5352; "
                 "setp.ge.f16x2 low|high, lanes, $6; selp.b32 $0, $2, 0, low; selp.b32 $1, $3, 0, high; }",
                 "=r,=r,r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
         else:
             return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, 0x04040404, 0x4140; "
+                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, $6, 0x5150; "
                 "setp.ge.f16x2 low|high, lanes, $6; selp.b32 $0, $2, 0, low; selp.b32 $1, $3, 0, high; }",
                 "=r,=r,r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
     else:
         if HIGH:
             return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, 0x04040404, 0x4342; "
+                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, $4, 0x5352; "
                 "set.ge.u32.f16x2 keep, lanes, $4; and.b32 $0, $1, keep; }",
                 "=r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
         else:
             return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, 0x04040404, 0x4140; "
+                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, $4, 0x5150; "
                 "set.ge.u32.f16x2 keep, lanes, $4; and.b32 $0, $1, keep; }",
                 "=r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
 
