@@ -5,7 +5,8 @@ that have the option.
 
 Rows: bf16, head dim 128, 16 heads (hidden 2048), batch x seqlen = 16k tokens, seqlen 1k, 4k and
 16k (--seqlens), forward and backward timed separately as bench_flash_attention.time_tflops does
-(triton.testing.do_bench medians; the backward alone, its forward graph kept):
+(triton.testing.do_bench medians; the backward alone, its forward graph kept), in --rounds rounds
+(default 3) that each visit every row, each row's median reported:
 
   plain              no option, causal and not: the baseline ("the same call without the option")
   window(4096,0)     window_size=(4096, 0), causal=True (at 16k: the issue's sliding-window row)
@@ -53,6 +54,7 @@ Usage (after scripts/build_variants.py, on a GPU):
 import argparse
 import csv
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -230,26 +232,36 @@ def time_provider(provider, make_call, variant, seqlen):
     return {direction: rates.get(direction, math.nan) for direction in DIRECTIONS}
 
 
-def measure(variants, seqlens, providers, out):
-    """Times every (variant, N, provider), rewriting ``out`` after each variant so that a run cut
-    short keeps what it measured; returns the CSV rows."""
+def measure(variants, seqlens, providers, out, rounds):
+    """Times every (variant, N, provider) ``rounds`` times, a round visiting every row before the
+    next begins, and keeps each row's median rate: the GPU's clock falls as it heats, so rows timed
+    one after another would put the options, timed after their plain baseline, on a slower chip.
+    Rewrites ``out`` after each round so that a run cut short keeps what it measured; returns the
+    CSV rows."""
     fa = load_kernel() if "ours" in providers else None
     peers = Peers() if "peers" in providers else None
     setup = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+    measured = {}  # (variant, seqlen, provider) -> [{direction: TFLOP/s} per round]
     rows = []
-    for variant in variants:
-        for seqlen in seqlens:
-            calls = {"ours": partial(ours_call, fa)} if fa is not None else {}
-            if peers is not None:
-                calls.update({peer: partial(peers.call, peer) for peer in variant.peers})
-            for provider, make_call in calls.items():
-                rates = time_provider(provider, make_call, variant, seqlen)
-                print(f"{provider:>10} {variant.name:>17} {mask_label(variant.causal):>6} N={seqlen:<5}"
-                      + "".join(f"  {direction} {rate:6.1f}" for direction, rate in rates.items()) + " TFLOP/s")
-                for direction, rate in rates.items():
-                    flops = attention_flops(variant, seqlen, direction)
-                    rows.append(dict(variant=variant.name, causal=variant.causal, seqlen=seqlen, direction=direction,
-                                     provider=provider, flops=flops, tflops=rate, ms=flops / rate * 1e-9, setup=setup))
+    for round_index in range(rounds):
+        for variant in variants:
+            for seqlen in seqlens:
+                calls = {"ours": partial(ours_call, fa)} if fa is not None else {}
+                if peers is not None:
+                    calls.update({peer: partial(peers.call, peer) for peer in variant.peers})
+                for provider, make_call in calls.items():
+                    rates = time_provider(provider, make_call, variant, seqlen)
+                    measured.setdefault((variant, seqlen, provider), []).append(rates)
+                    print(f"{provider:>10} {variant.name:>17} {mask_label(variant.causal):>6} N={seqlen:<5}"
+                          + "".join(f"  {direction} {rate:6.1f}" for direction, rate in rates.items())
+                          + f" TFLOP/s  (round {round_index + 1}/{rounds})")
+        rows = []
+        for (variant, seqlen, provider), per_round in measured.items():
+            for direction in DIRECTIONS:
+                rate = statistics.median(rates[direction] for rates in per_round)
+                flops = attention_flops(variant, seqlen, direction)
+                rows.append(dict(variant=variant.name, causal=variant.causal, seqlen=seqlen, direction=direction,
+                                 provider=provider, flops=flops, tflops=rate, ms=flops / rate * 1e-9, setup=setup))
         write_csv(out, rows)
     return rows
 
@@ -356,6 +368,8 @@ def main(argv):
     parser.add_argument("--seqlens", type=int, nargs="+", default=SEQLENS, help="divisors of 16384")
     parser.add_argument("--variants", nargs="+", choices=KINDS, default=list(KINDS),
                         help="options to time (default all); plain, their baseline, is always timed")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over every row; each row reports its median (default 3)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="CSV",
                         help="time nothing: merge these CSVs (a later one wins on the same row) into --out,"
                              " print the table and the targets")
@@ -365,6 +379,8 @@ def main(argv):
     args = parser.parse_args(argv)
     if any(seqlen <= 0 or TOKENS % seqlen for seqlen in args.seqlens):
         parser.error(f"--seqlens must divide {TOKENS}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     single = args.providers if args.providers != "both" and not args.merge else None
     out = args.out or REPO_ROOT / "benchmarks" / "results" / (f"variants-{single}.csv" if single else "variants.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -375,7 +391,7 @@ def main(argv):
     else:
         providers = {"ours", "peers"} if args.providers == "both" else {args.providers}
         variants = [v for v in VARIANTS if v.kind == "plain" or v.kind in args.variants]
-        rows = measure(variants, args.seqlens, providers, out)
+        rows = measure(variants, args.seqlens, providers, out, args.rounds)
     print_table(rows)
     print_targets(rows)
     print(f"\nwrote {out}")
