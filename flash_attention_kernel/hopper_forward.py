@@ -42,8 +42,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from .hopper_dropout import dropout_rows, keep_pairs, row_calls
     from .hopper_gluon import (
-        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, forward_logits, key_tiles, query_block, release_unread,
-        ring_barriers, round_pairs, stream_key_tiles, tma_load,
+        ALIBI_, ALIBI_ABOVE, ALIBI_ACROSS, ALIBI_BELOW, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, forward_logits,
+        key_tiles, query_block, release_unread, ring_barriers, round_pairs, stream_key_tiles, tma_load,
     )
     from .scores import PIVOT_HEADROOM
 
@@ -115,7 +115,7 @@ if gluon is not None:
     def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2, pivot_constant, dropout,
                        DTYPE: gl.constexpr, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
                        CALLS_LAYOUT: gl.constexpr, PENDING: gl.constexpr, MASKED: gl.constexpr,
-                       VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+                       VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
         """(P, alpha, row_max, row_sum) of key tile [n, n + KEYS) from its S product ``s`` in
         flight (PENDING younger products may stay in flight): dropout's draws while it runs, then
         the online softmax step (module docstring); P is dropout's kept probabilities, in DTYPE
@@ -126,7 +126,7 @@ if gluon is not None:
         s = warpgroup_mma_wait(PENDING, deps=(s,))
         KEYS: gl.constexpr = s.shape[1]
         keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, S_LAYOUT))
-        t, unit, row_offset = forward_logits(s, rows, keys, n, band, score, slope_log2, MASKED, VARIANT, ALIBI_ABS)
+        t, unit, row_offset = forward_logits(s, rows, keys, n, band, score, slope_log2, MASKED, VARIANT, ALIBI_SIDE)
         if FIXED_PIVOT_ & VARIANT:  # bounded logits: the pivot is a constant, nothing to rescale
             p = gl.exp2(t * unit - pivot_constant)
             alpha = 1.0
@@ -152,7 +152,7 @@ if gluon is not None:
     def _key_tile(o, p_prev, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
                   slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
                   CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
-                  ALIBI_ABS: gl.constexpr):
+                  ALIBI_SIDE: gl.constexpr):
         """One step of the overlapped loop: S of key tile [n, n + KEYS) (ring buffer ``i``) and
         O += P V of the previous tile (buffer i - 1, its P ``p_prev`` in OPERAND_LAYOUT) issued
         together; P of this tile formed while the P V product runs. MASKED: this tile crosses a
@@ -162,7 +162,7 @@ if gluon is not None:
         o = warpgroup_mma(p_prev, v_bufs.index(prev), o, is_async=True)
         p, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2,
                                                     pivot_constant, dropout, k_bufs.dtype, S_LAYOUT, OPERAND_LAYOUT,
-                                                    CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_ABS)
+                                                    CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_SIDE)
         o = warpgroup_mma_wait(0, deps=(o,))
         mbarrier.arrive(empty.index(prev), count=1)
         if not (FIXED_PIVOT_ & VARIANT):
@@ -206,6 +206,10 @@ if gluon is not None:
         # before lo and from hi_end on it does not see (streamed for the other warpgroup)
         lo, full_lo, full_hi, hi = key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
         hi_end = gl.maximum(gl.cdiv(hi, KEYS) * KEYS, lo)
+        # ALiBi's form on tiles that may hold pairs on both sides of the diagonal (ALIBI_ABS: keys
+        # right of it are visible), and on the full tiles that come last: above the diagonal then
+        EDGE_SIDE: gl.constexpr = ALIBI_ACROSS if ALIBI_ABS else ALIBI_BELOW
+        FULL_SIDE: gl.constexpr = ALIBI_ABOVE if ALIBI_ABS else ALIBI_BELOW
         mbarrier.wait(q_bar, 0)
         i = 0
         if MASK_LEFT_ & VARIANT:
@@ -215,7 +219,7 @@ if gluon is not None:
             s = _issue_scores(q, k_bufs, ready, i, s_layout, STAGES)
             p, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score, slope_log2,
                                                     pivot_constant, dropout, k_bufs.dtype, s_layout, operand_layout,
-                                                    CALLS_LAYOUT, 0, True, VARIANT, ALIBI_ABS)
+                                                    CALLS_LAYOUT, 0, True, VARIANT, EDGE_SIDE)
             i += 1
             second = lo + KEYS
             if MASK_LEFT_ & VARIANT:
@@ -223,20 +227,40 @@ if gluon is not None:
                     o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
                                                        first_row, rows, band, score, slope_log2, pivot_constant,
                                                        dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
-                                                       VARIANT, ALIBI_ABS)
+                                                       VARIANT, EDGE_SIDE)
                     i += 1
-            for n in range(gl.maximum(full_lo, second), full_hi, KEYS):
+            below_end = gl.maximum(full_lo, second)
+            above_start = below_end
+            if ALIBI_ABS:  # the full tiles below the diagonal, across it, above it (``forward_logits``)
+                diag = band[0]
+                below_end = gl.minimum(gl.maximum(gl.maximum(first_row + diag + 1, 0) // KEYS * KEYS, below_end),
+                                       full_hi)
+                above_start = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(first_row + ROWS + diag, 0), KEYS) * KEYS,
+                                                    below_end), full_hi)
+                for n in range(gl.maximum(full_lo, second), below_end, KEYS):
+                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
+                                                       first_row, rows, band, score, slope_log2, pivot_constant,
+                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, False,
+                                                       VARIANT, ALIBI_BELOW)
+                    i += 1
+                for n in range(below_end, above_start, KEYS):
+                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
+                                                       first_row, rows, band, score, slope_log2, pivot_constant,
+                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, False,
+                                                       VARIANT, ALIBI_ACROSS)
+                    i += 1
+            for n in range(above_start, full_hi, KEYS):  # (all full tiles without ALIBI_ABS)
                 o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
                                                    first_row, rows, band, score, slope_log2, pivot_constant, dropout,
                                                    s_layout, operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
-                                                   ALIBI_ABS)
+                                                   FULL_SIDE)
                 i += 1
             if MASK_RIGHT_ & VARIANT:
                 for n in range(gl.maximum(full_hi, second), hi, KEYS):
                     o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
                                                        first_row, rows, band, score, slope_log2, pivot_constant,
                                                        dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
-                                                       VARIANT, ALIBI_ABS)
+                                                       VARIANT, EDGE_SIDE)
                     i += 1
             # epilogue: the last tile's P V
             last = (i + STAGES - 1) % STAGES

@@ -146,6 +146,8 @@ if gluon is not None:
                                              is_pure=True, pack=2)
 
     MASK_LEFT_, MASK_RIGHT_, SOFTCAP_, ALIBI_ = (gl.constexpr(bit) for bit in (MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI))
+    # which side of the diagonal (i + diag = j) a forward tile's pairs lie on (``forward_logits``)
+    ALIBI_BELOW, ALIBI_ABOVE, ALIBI_ACROSS = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
     DROPOUT_ = gl.constexpr(DROPOUT)
     LOG2E_ = gl.constexpr(LOG2E)
 
@@ -272,14 +274,17 @@ if gluon is not None:
 
     @gluon.jit
     def forward_logits(s, rows, keys, key_base, band, score, slope_log2, MASKED: gl.constexpr,
-                       VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+                       VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
         """(t, unit, row_offset): the base-2 logits of a tile of q.k products ``s`` (query ``rows``
         by ``keys``, 1-D index vectors) are t * unit - row_offset (row_offset per row, or 0), with
         t = -inf where MASKED and outside the band. ``tile_logits``' math without an lse, for the
         forward, which subtracts its pivot in the same multiply-add as the unit: without ALiBi t
         is the softcap's tanh or s itself, so the logits cost nothing before that multiply-add.
-        ALiBi's bias, in t's units, adds one operation per score below the diagonal (the key term;
-        the row term is row_offset) and two with ALIBI_ABS (-slope |d|)."""
+
+        ALiBi's bias -slope |d|, d = i + diag - j, in t's units: on a tile whose pairs all have d
+        >= 0 (ALIBI_SIDE = ALIBI_BELOW) or all d <= 0 (ALIBI_ABOVE) it splits into a row term,
+        folded into row_offset, and a key term: one operation per score; a tile across the
+        diagonal (ALIBI_ACROSS) takes two (the absolute value)."""
         qk_log2, tanh_scale, softcap_log2 = score
         if SOFTCAP_ & VARIANT:
             t = tanh_approx(s * tanh_scale)
@@ -293,11 +298,16 @@ if gluon is not None:
             row_distance = (rows + (diag - key_base)).to(gl.float32)
             key_offset = (keys - key_base).to(gl.float32)
             slope = slope_log2 / unit
-            if ALIBI_ABS:
-                t = t - slope * gl.abs(row_distance[:, None] - key_offset[None, :])
-            else:
-                t = t + (slope * key_offset)[None, :]
+            key_term = slope * key_offset  # (the same per-key values in every form: held once)
+            if ALIBI_SIDE == ALIBI_ACROSS:  # -slope |d| = -sign(slope) |slope d|
+                slope_sign = gl.where(slope < 0, -1.0, 1.0)
+                t = t - slope_sign * gl.abs((slope * row_distance)[:, None] - key_term[None, :])
+            elif ALIBI_SIDE == ALIBI_BELOW:
+                t = t + key_term[None, :]
                 row_offset = slope_log2 * row_distance
+            else:
+                t = t - key_term[None, :]
+                row_offset = -slope_log2 * row_distance
         if MASKED:
             t = band_mask(t, rows[:, None], keys[None, :], band, VARIANT)
         return t, unit, row_offset

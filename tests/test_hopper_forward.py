@@ -103,7 +103,8 @@ def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
 
 
 # (name, q, k, v builders, flash_attn_func options); "slopes" stands for ALiBi slopes of shape
-# (heads,), "batch slopes" for (batch, heads), "sinks" for s_aux
+# (heads,), "batch slopes" for (batch, heads), "negative slopes" for (heads,) below zero, "sinks" for
+# s_aux
 CASES = [
     ("gqa-causal", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), dict(causal=True)),
     ("gqa4-full", lambda dt: (_bshd(1, 384, 8, dt), _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)), {}),
@@ -137,6 +138,9 @@ CASES = [
      dict(causal=True, alibi_slopes="slopes")),
     ("alibi", lambda dt: (_bshd(2, 256, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
      dict(alibi_slopes="batch slopes")),
+    ("alibi-more-queries-negative-slopes",  # (tiles below, across and above the diagonal; diag < 0)
+     lambda dt: (_bshd(2, 512, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     dict(alibi_slopes="negative slopes")),
     ("alibi-window-softcap", lambda dt: (_bshd(1, 384, 2, dt) * 2, _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)),
      dict(window_size=(120, 90), alibi_slopes="slopes", softcap=8.0)),
     ("dropout", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)), dict(dropout_p=0.17)),
@@ -163,6 +167,7 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, options, d
     batch, heads = q.shape[0], q.shape[2]
     stand_ins = {"slopes": torch.rand(heads, device=q.device) * 0.3 + 0.02,
                  "batch slopes": torch.rand(batch, heads, device=q.device) * 0.3 + 0.02,
+                 "negative slopes": -(torch.rand(heads, device=q.device) * 0.05 + 0.01),
                  "sinks": torch.randn(heads, device=q.device)}
     options = {key: stand_ins.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
     causal = options.get("causal", False)
