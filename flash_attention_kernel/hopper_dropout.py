@@ -223,32 +223,20 @@ def _by_key_halves(x):
 
 
 @gluon.jit
-def _keep_half(x, words, limit, HIGH: gl.constexpr):
-    """``keep_pairs`` of one half of ``_by_key_halves``: the pairs whose draws are bytes (0, 1) of
-    their word, or (2, 3) with HIGH. (PRMT's selector: bytes (0 or 2, 5, 1 or 3, 5) of (word,
-    limit), whose byte 1 is 0x04; a second immediate operand would cost a move per PRMT.)"""
+def _keep_half(x, words, limit, selector):
+    """``keep_pairs`` of one half of ``_by_key_halves``: PRMT's ``selector`` picks the pair's
+    bytes, (0, 1) or (2, 3), of (word, limit) as (byte, 5, byte + 1, 5); the limit's byte 1 is 0x04
+    (an immediate 0x04040404 as the second source would cost a move per PRMT)."""
     if x.dtype == gl.float32:
-        if HIGH:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, $6, 0x5352; "
-                "setp.ge.f16x2 low|high, lanes, $6; selp.b32 $0, $2, 0, low; selp.b32 $1, $3, 0, high; }",
-                "=r,=r,r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
-        else:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, $6, 0x5150; "
-                "setp.ge.f16x2 low|high, lanes, $6; selp.b32 $0, $2, 0, low; selp.b32 $1, $3, 0, high; }",
-                "=r,=r,r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 lanes; .reg .pred low, high; prmt.b32 lanes, $4, $6, $8; "
+            "setp.ge.f16x2 low|high, lanes, $6; selp.b32 $0, $2, 0, low; selp.b32 $1, $3, 0, high; }",
+            "=r,=r,r,r,r,r,r,r,r,r", [x, words, limit, selector], dtype=x.dtype, is_pure=True, pack=2)
     else:
-        if HIGH:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, $4, 0x5352; "
-                "set.ge.u32.f16x2 keep, lanes, $4; and.b32 $0, $1, keep; }",
-                "=r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
-        else:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, $4, 0x5150; "
-                "set.ge.u32.f16x2 keep, lanes, $4; and.b32 $0, $1, keep; }",
-                "=r,r,r,r,r,r", [x, words, limit], dtype=x.dtype, is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 lanes, keep; prmt.b32 lanes, $2, $4, $6; set.ge.u32.f16x2 keep, lanes, $4; "
+            "and.b32 $0, $1, keep; }",
+            "=r,r,r,r,r,r,r,r", [x, words, limit, selector], dtype=x.dtype, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -268,5 +256,6 @@ def keep_pairs(dropout, words, x):
     x_low, x_high = _by_key_halves(x)
     words_low, words_high = _by_key_halves(words)
     limit = gl.zeros_like(words_low) + (threshold | 0x400) * 0x10001
-    kept = gl.join(_keep_half(x_low, words_low, limit, False), _keep_half(x_high, words_high, limit, True))
+    kept = gl.join(_keep_half(x_low, words_low, limit, gl.full_like(words_low, 0x5150)),
+                   _keep_half(x_high, words_high, limit, gl.full_like(words_high, 0x5352)))
     return gl.convert_layout(gl.reshape(gl.permute(kept, (0, 1, 3, 2)), x.shape), x.type.layout)  # (a renaming)

@@ -170,6 +170,22 @@ if gluon is not None:
         return o, p, row_max, row_sum
 
     @gluon.jit
+    def _key_range(o, p, row_max, row_sum, i, start, end, q, k_bufs, v_bufs, ready, empty, first_row, rows, band,
+                   score, slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+                   CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                   ALIBI_SIDE: gl.constexpr):
+        """``_key_tile`` over the key tiles [start, end), ring buffers i, i + 1, ...; returns (o, p,
+        row_max, row_sum, the next buffer's count)."""
+        KEYS: gl.constexpr = k_bufs.shape[1]
+        for n in range(start, end, KEYS):
+            o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
+                                               first_row, rows, band, score, slope_log2, pivot_constant, dropout,
+                                               S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, STAGES, MASKED, VARIANT,
+                                               ALIBI_SIDE)
+            i += 1
+        return o, p, row_max, row_sum, i
+
+    @gluon.jit
     def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
                   start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream, dropout_threshold,
                   dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, CALLS_LAYOUT: gl.constexpr,
@@ -222,13 +238,10 @@ if gluon is not None:
                                                     CALLS_LAYOUT, 0, True, VARIANT, EDGE_SIDE)
             i += 1
             second = lo + KEYS
+            tiles = (q, k_bufs, v_bufs, ready, empty, first_row, rows, band, score, slope_log2, pivot_constant, dropout)
             if MASK_LEFT_ & VARIANT:
-                for n in range(second, full_lo, KEYS):
-                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
-                                                       first_row, rows, band, score, slope_log2, pivot_constant,
-                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
-                                                       VARIANT, EDGE_SIDE)
-                    i += 1
+                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, second, full_lo, *tiles, s_layout,
+                                                       operand_layout, CALLS_LAYOUT, STAGES, True, VARIANT, EDGE_SIDE)
             below_end = gl.maximum(full_lo, second)
             above_start = below_end
             if ALIBI_ABS:  # the full tiles below the diagonal, across it, above it (``forward_logits``)
@@ -237,31 +250,19 @@ if gluon is not None:
                                        full_hi)
                 above_start = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(first_row + ROWS + diag, 0), KEYS) * KEYS,
                                                     below_end), full_hi)
-                for n in range(gl.maximum(full_lo, second), below_end, KEYS):
-                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
-                                                       first_row, rows, band, score, slope_log2, pivot_constant,
-                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, False,
-                                                       VARIANT, ALIBI_BELOW)
-                    i += 1
-                for n in range(below_end, above_start, KEYS):
-                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
-                                                       first_row, rows, band, score, slope_log2, pivot_constant,
-                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, False,
-                                                       VARIANT, ALIBI_ACROSS)
-                    i += 1
-            for n in range(above_start, full_hi, KEYS):  # (all full tiles without ALIBI_ABS)
-                o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
-                                                   first_row, rows, band, score, slope_log2, pivot_constant, dropout,
-                                                   s_layout, operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
-                                                   FULL_SIDE)
-                i += 1
+                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, gl.maximum(full_lo, second),
+                                                       below_end, *tiles, s_layout, operand_layout, CALLS_LAYOUT,
+                                                       STAGES, False, VARIANT, ALIBI_BELOW)
+                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, below_end, above_start, *tiles,
+                                                       s_layout, operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                       ALIBI_ACROSS)
+            # (all full tiles without ALIBI_ABS)
+            o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, above_start, full_hi, *tiles, s_layout,
+                                                   operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT, FULL_SIDE)
             if MASK_RIGHT_ & VARIANT:
-                for n in range(gl.maximum(full_hi, second), hi, KEYS):
-                    o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
-                                                       first_row, rows, band, score, slope_log2, pivot_constant,
-                                                       dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
+                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, gl.maximum(full_hi, second), hi,
+                                                       *tiles, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
                                                        VARIANT, EDGE_SIDE)
-                    i += 1
             # epilogue: the last tile's P V
             last = (i + STAGES - 1) % STAGES
             o = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
