@@ -42,7 +42,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from .hopper_dropout import dropout_rows, keep_pairs, row_calls
     from .hopper_gluon import (
-        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, query_block, release_unread, ring_barriers,
+        ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, query_program, release_unread, ring_barriers,
         stream_key_tiles, tile_logits, tile_logits_grad, tma_load,
     )
 
@@ -196,12 +196,10 @@ if gluon is not None:
         """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
         and ALIBI_ABS its constexprs; CALLS_LAYOUT: ``hopper_dropout.row_calls(KEYS)``, the layout
         of dropout's Philox calls."""
-        start_m, head, batch = query_block(2 * ROWS, VARIANT)
-        kv_head = head // GROUP_SIZE
         band = (diag, window_left, window_right)
         score = (qk_log2, tanh_scale, softcap_log2)
-        # the key tiles any of the program's rows sees: the producer streams these
-        keys_lo, _, _, keys_hi = key_tiles(start_m, start_m + 2 * ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
+            seqlen_k, band, AlibiSlopes, stride_alibi_b, 2 * ROWS, KEYS, GROUP_SIZE, VARIANT)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, ROWS, HEAD_DIM], do_desc.layout)
@@ -213,8 +211,6 @@ if gluon is not None:
 
         stat_base = batch.to(gl.int64) * stride_stat_b + head.to(gl.int64) * stride_stat_h
         dq_base = batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
-        stream = (batch * gl.num_programs(1) + head).to(gl.uint32)  # dropout's Philox stream
-        slope = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the head's ALiBi slope)
         # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,

@@ -111,6 +111,14 @@ def _with_neighbours_calls(own, odd_keys):
 
 
 @gluon.jit
+def _half_limits(threshold):
+    """The threshold round(p * 256) in both 16-bit halves of a word as the draws are compared
+    there: 0x04 above the byte (fp16 2^-14 (1 + t / 1024)); its byte 1 is also the 0x04 that the
+    PRMTs of ``keep_pairs`` and ``drop_unkept`` take as their second source (byte 5)."""
+    return (threshold.to(gl.uint32) | 0x400) * 0x10001
+
+
+@gluon.jit
 def dropout_state(RngState, threshold, first_key, keys):
     """A consumer warpgroup's dropout state for keys [first_key, first_key + 64) (``keys``: the
     tile's key indices in S^T's row layout): the Philox key and offset (RngState: seed, offset),
@@ -130,7 +138,7 @@ def dropout_state(RngState, threshold, first_key, keys):
     # PRMT selector of a key's two bytes (keys k and k + 8 of a thread: bytes k % 2 and 2 + k % 2)
     key_bytes = gl.where(keys % 2 == 1, 0x5351, 0x5250).to(gl.uint32)
     return (seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, key_bytes,
-            (threshold.to(gl.uint32) | 0x400) * 0x10001)
+            _half_limits(threshold))
 
 
 @gluon.jit
@@ -252,10 +260,9 @@ def keep_pairs(dropout, words, x):
     register, the compare gives each half a mask of ones (kept) or zeros and one AND applies it:
     1.5 instructions per score. For dP the compare sets two predicates and a select each applies
     them: 2 per score. (A shift of the byte to the top, a compare and a select took 3.)"""
-    threshold = dropout[2].to(gl.uint32)
     x_low, x_high = _by_key_halves(x)
     words_low, words_high = _by_key_halves(words)
-    limit = gl.zeros_like(words_low) + (threshold | 0x400) * 0x10001
+    limit = gl.zeros_like(words_low) + _half_limits(dropout[2])
     kept = gl.join(_keep_half(x_low, words_low, limit, gl.full_like(words_low, 0x5150)),
                    _keep_half(x_high, words_high, limit, gl.full_like(words_high, 0x5352)))
     return gl.convert_layout(gl.reshape(gl.permute(kept, (0, 1, 3, 2)), x.shape), x.type.layout)  # (a renaming)

@@ -43,7 +43,7 @@ if gluon is not None:
     from .hopper_dropout import dropout_rows, keep_pairs, row_calls
     from .hopper_gluon import (
         ALIBI_, ALIBI_ABOVE, ALIBI_ACROSS, ALIBI_BELOW, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, forward_logits,
-        key_tiles, query_block, release_unread, ring_barriers, round_pairs, stream_key_tiles, tma_load,
+        key_tiles, query_program, release_unread, ring_barriers, round_pairs, stream_key_tiles, tma_load,
     )
     from .scores import PIVOT_HEADROOM
 
@@ -294,12 +294,10 @@ if gluon is not None:
         """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
         and ALIBI_ABS its constexprs (VARIANT plus SINKS and FIXED_PIVOT); CALLS_LAYOUT:
         ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls."""
-        start_m, head, batch = query_block(2 * ROWS, VARIANT)
-        kv_head = head // GROUP_SIZE
         band = (diag, window_left, window_right)
         score = (qk_log2, tanh_scale, softcap_log2)
-        # the key tiles any of the program's rows sees: the producer streams these
-        keys_lo, _, _, keys_hi = key_tiles(start_m, start_m + 2 * ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
+            seqlen_k, band, AlibiSlopes, stride_alibi_b, 2 * ROWS, KEYS, GROUP_SIZE, VARIANT)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, HEAD_DIM], k_desc.layout)
@@ -310,8 +308,6 @@ if gluon is not None:
 
         lse_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
         out_base = batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-        stream = (batch * gl.num_programs(1) + head).to(gl.uint32)  # dropout's Philox stream
-        slope = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the head's ALiBi slope)
         sink = Sinks + head
         # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
         gl.warp_specialize([

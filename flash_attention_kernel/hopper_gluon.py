@@ -189,14 +189,22 @@ if gluon is not None:
                           MASK_RIGHT_ & VARIANT)
 
     @gluon.jit
-    def query_block(ROWS: gl.constexpr, VARIANT: gl.constexpr):
-        """(first query row, head, batch) of a program of the forward and dQ kernels, which own
-        ROWS query rows each (grid: query blocks, heads, batch). With an upper band edge (causal)
-        the blocks run in reverse, longest rows first, so that the short ones fill the last wave."""
+    def query_program(seqlen_k, band, AlibiSlopes, stride_alibi_b, ROWS: gl.constexpr, KEYS: gl.constexpr,
+                      GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr):
+        """A program of the forward and dQ kernels, which own ROWS query rows of one head each
+        (grid: query blocks, heads, batch): (first query row, head, batch, KV head, keys_lo,
+        keys_hi, dropout's Philox stream, the head's ALiBi slope pointer), [keys_lo, keys_hi) the
+        key tiles any of its rows sees (``key_tiles``; the producer streams these). With an upper
+        band edge (causal) the blocks run in reverse, longest rows first, so that the short ones
+        fill the last wave."""
         block = gl.program_id(0)
         if MASK_RIGHT_ & VARIANT:
             block = gl.num_programs(0) - 1 - block
-        return block * ROWS, gl.program_id(1), gl.program_id(2)
+        start_m, head, batch = block * ROWS, gl.program_id(1), gl.program_id(2)
+        keys_lo, _, _, keys_hi = key_tiles(start_m, start_m + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+        stream = (batch * gl.num_programs(1) + head).to(gl.uint32)  # batch * heads + head
+        slope = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head
+        return start_m, head, batch, head // GROUP_SIZE, keys_lo, keys_hi, stream, slope
 
     @gluon.jit
     def stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
