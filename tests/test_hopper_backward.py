@@ -253,6 +253,9 @@ BAND_CASES = [
     ("alibi", (2, 256, 384, 2, 2), dict(alibi_slopes="batch slopes")),
     ("alibi-window-causal", (2, 384, 256, 4, 2), dict(causal=True, window_size=(150, -1), alibi_slopes="slopes")),
     ("alibi-window-softcap", (1, 384, 384, 2, 2), dict(window_size=(120, 90), alibi_slopes="slopes", softcap=8.0)),
+    # (9 and 10 blocks of 128 rows a head: programs whose band ends in different tiles)
+    ("many-blocks-causal-window", (3, 1152, 1152, 2, 1), dict(causal=True, window_size=(260, 0))),
+    ("many-blocks-left-window", (2, 1280, 1280, 3, 3), dict(window_size=(300, -1))),
     ("everything", (2, 256, 384, 4, 2), dict(causal=True, window_size=(170, -1), alibi_slopes="slopes",
                                              softcap=8.0, dropout_p=0.17, s_aux="sinks")),
 ]

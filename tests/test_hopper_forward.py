@@ -134,6 +134,11 @@ CASES = [
      dict(window_size=(64, -1))),
     ("window-past-the-sequence", lambda dt: (_bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt)),
      dict(window_size=(5000, 5000))),
+    # (9 and 10 blocks of 128 rows a head: programs whose band ends in different tiles)
+    ("many-blocks-causal-window", lambda dt: (_bshd(3, 1152, 2, dt), _bshd(3, 1152, 1, dt), _bshd(3, 1152, 1, dt)),
+     dict(causal=True, window_size=(260, 0))),
+    ("many-blocks-left-window", lambda dt: (_bshd(2, 1280, 3, dt), _bshd(2, 1280, 3, dt), _bshd(2, 1280, 3, dt)),
+     dict(window_size=(300, -1))),
     ("alibi-causal-gqa", lambda dt: (_bshd(2, 384, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
      dict(causal=True, alibi_slopes="slopes")),
     ("alibi", lambda dt: (_bshd(2, 256, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
