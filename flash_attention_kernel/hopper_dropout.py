@@ -220,7 +220,6 @@ def dropout_rows(dropout, first_row, n, LAYOUT: gl.constexpr, CALLS: gl.constexp
     return gl.convert_layout(words, LAYOUT)
 
 
-
 @gluon.jit
 def _by_key_halves(x):
     """[64, KEYS] tile ``x`` in S's accumulator layout split by bit 3 of the key (j % 2, a register

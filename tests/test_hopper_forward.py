@@ -54,7 +54,8 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert not _plan(fa, q.float(), k.float(), v.float())
     kernels = fa.flash_attention_kernel
     cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32, device=q.device)
-    varlen = kernels.launch.SequenceLayout.of(q.flatten(0, 1), k[:, :256].flatten(0, 1), cu_seqlens, cu_seqlens, 256, 256)
+    varlen = kernels.launch.SequenceLayout.of(q.flatten(0, 1), k[:, :256].flatten(0, 1), cu_seqlens, cu_seqlens,
+                                              256, 256)
     assert not kernels.hopper_forward.plan(kernels.AttentionOptions(q.shape[-1] ** -0.5, True), varlen, not ON_GPU,
                                            q.flatten(0, 1), k[:, :256].flatten(0, 1), v[:, :256].flatten(0, 1))
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
