@@ -43,7 +43,7 @@ if gluon is not None:
     from .hopper_dropout import dropout_rows, keep_pairs, row_calls
     from .hopper_gluon import (
         ALIBI_, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, query_program, release_unread, ring_barriers,
-        stream_key_tiles, tile_logits, tile_logits_grad, tma_load,
+        round_pairs, stream_key_tiles, tile_logits, tile_logits_grad, tma_load,
     )
 
 QUERY_ROWS = 64  # query rows per consumer warpgroup: the wgmma M of S and dQ
@@ -96,36 +96,59 @@ if gluon is not None:
                          STAGES)
 
     @gluon.jit
-    def _key_tile(dq, q, do, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, lse_log2, delta, band, score,
-                  slope_log2, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
-                  CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
-                  ALIBI_ABS: gl.constexpr):
-        """dQ of a warpgroup's 64 query rows after key tile [n, n + KEYS), ring buffer ``i``. MASKED:
-        the tile crosses a band edge."""
-        dtype: gl.constexpr = k_bufs.dtype
+    def _issue_products(q, do, k_bufs, v_bufs, ready, i, S_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
+        """Issue S = Q K^T and dP = dO V^T of the key tile in ring buffer ``i`` once it has
+        arrived; returns both products in flight."""
         KEYS: gl.constexpr = k_bufs.shape[1]
         idx = i % STAGES
         mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
-        k = k_bufs.index(idx)
-        v = v_bufs.index(idx)
         zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
-        s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        return s, dp
+
+    @gluon.jit
+    def _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
+                     DTYPE: gl.constexpr, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+                     CALLS_LAYOUT: gl.constexpr, PENDING: gl.constexpr, MASKED: gl.constexpr,
+                     VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+        """dS of key tile [n, n + KEYS) from its S and dP products in flight (PENDING younger
+        products may stay in flight), in DTYPE and OPERAND_LAYOUT for the dQ product. MASKED: the
+        tile crosses a band edge."""
         if DROPOUT_ & VARIANT:  # (drawn while the products run)
             words = dropout_rows(dropout, first_row, n, S_LAYOUT, CALLS_LAYOUT)
-        s = warpgroup_mma_wait(1, deps=(s,))
+        s = warpgroup_mma_wait(PENDING + 1, deps=(s,))
+        KEYS: gl.constexpr = s.shape[1]
         keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, S_LAYOUT))
         x, capped = tile_logits(s, lse_log2[:, None], rows[:, None], keys[None, :], n, band, score, slope_log2,
                                 MASKED, VARIANT, ALIBI_ABS)
         p = gl.exp2(x)
-        dp = warpgroup_mma_wait(0, deps=(dp,))
+        dp = warpgroup_mma_wait(PENDING, deps=(dp,))
         if DROPOUT_ & VARIANT:  # (dP's 1 / (1 - p) is in delta and in the final scale)
             dp = keep_pairs(dropout, words, dp)
         ds = tile_logits_grad(p * (dp - delta[:, None]), capped, VARIANT)
-        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), k, dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
-        mbarrier.arrive(empty.index(idx), count=1)
-        return dq
+        return gl.convert_layout(round_pairs(ds, DTYPE), OPERAND_LAYOUT)
+
+    @gluon.jit
+    def _key_range(dq, ds, i, start, end, q, do, k_bufs, v_bufs, ready, empty, first_row, rows, lse_log2, delta,
+                   band, score, slope_log2, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+                   CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                   ALIBI_ABS: gl.constexpr):
+        """The overlapped loop over key tiles [start, end), ring buffers i, i + 1, ...: each step
+        issues this tile's S and dP and the previous tile's dQ += dS K (its dS ``ds``, buffer i -
+        1) together and forms this tile's dS while dP and dQ run. Returns (dq, ds, the next
+        buffer's count). MASKED: the tiles cross a band edge."""
+        KEYS: gl.constexpr = k_bufs.shape[1]
+        for n in range(start, end, KEYS):
+            prev = (i + STAGES - 1) % STAGES
+            s, dp = _issue_products(q, do, k_bufs, v_bufs, ready, i, S_LAYOUT, STAGES)
+            dq = warpgroup_mma(ds, k_bufs.index(prev), dq, is_async=True)
+            ds = _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
+                              k_bufs.dtype, S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_ABS)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.arrive(empty.index(prev), count=1)
+            i += 1
+        return dq, ds, i
 
     @gluon.jit
     def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,
@@ -162,22 +185,29 @@ if gluon is not None:
         i = 0
         if MASK_LEFT_ & VARIANT:
             i = release_unread(ready, empty, i, keys_lo, lo, KEYS, STAGES)
-            for n in range(lo, full_lo, KEYS):
-                dq = _key_tile(dq, q, do, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, lse_log2, delta, band,
-                               score, slope_log2, dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
-                               VARIANT, ALIBI_ABS)
-                i += 1
-        for n in range(full_lo, full_hi, KEYS):
-            dq = _key_tile(dq, q, do, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, lse_log2, delta, band,
-                           score, slope_log2, dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, False,
-                           VARIANT, ALIBI_ABS)
+        if lo < hi:
+            # prologue: the first tile's dS, masked whichever range it lies in
+            s, dp = _issue_products(q, do, k_bufs, v_bufs, ready, i, s_layout, STAGES)
+            ds = _score_grads(s, dp, lo, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
+                              k_bufs.dtype, s_layout, operand_layout, CALLS_LAYOUT, 0, True, VARIANT, ALIBI_ABS)
             i += 1
+            second = lo + KEYS
+            tiles = (q, do, k_bufs, v_bufs, ready, empty, first_row, rows, lse_log2, delta, band, score, slope_log2,
+                     dropout)
+            if MASK_LEFT_ & VARIANT:
+                dq, ds, i = _key_range(dq, ds, i, second, full_lo, *tiles, s_layout, operand_layout, CALLS_LAYOUT,
+                                       STAGES, True, VARIANT, ALIBI_ABS)
+            dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_lo, second), full_hi, *tiles, s_layout, operand_layout,
+                                   CALLS_LAYOUT, STAGES, False, VARIANT, ALIBI_ABS)
+            if MASK_RIGHT_ & VARIANT:
+                dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_hi, second), hi, *tiles, s_layout, operand_layout,
+                                       CALLS_LAYOUT, STAGES, True, VARIANT, ALIBI_ABS)
+            # epilogue: the last tile's dQ product
+            last = (i + STAGES - 1) % STAGES
+            dq = warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.arrive(empty.index(last), count=1)
         if MASK_RIGHT_ & VARIANT:
-            for n in range(full_hi, hi, KEYS):
-                dq = _key_tile(dq, q, do, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, lse_log2, delta, band,
-                               score, slope_log2, dropout, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
-                               VARIANT, ALIBI_ABS)
-                i += 1
             release_unread(ready, empty, i, hi_end, keys_hi, KEYS, STAGES)
         out_rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
         dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
