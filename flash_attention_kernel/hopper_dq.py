@@ -14,7 +14,9 @@ slower (benchmarks/NOTES.md, v21). Here:
   tile: S = Q K^T and dP = dO V^T (wgmma from shared memory, both in flight at once), P =
   exp2(S - lse) and dS = P (dP - delta) (times tanh' under a softcap) in registers, then dQ += dS K
   with dS as the register operand. Nothing holds the two warpgroups in step, so one's per-score
-  work runs while the other's products do.
+  work runs while the other's products do. Within a warpgroup the loop is software-pipelined: a
+  step issues its tile's S and dP, then the previous tile's dQ product, and forms its dS while dP
+  and that product run (a prologue forms the first dS, an epilogue issues the last product).
 * causal and window bounds: each warpgroup splits the key tiles the producer streams into those
   its rows all see, those that cross a band edge (masked, loops of their own) and those outside
   its band (released unread: the other warpgroup may need them), ``hopper_gluon.band_tiles``.
