@@ -14,7 +14,11 @@ Here, FlashAttention-3's schedule:
   own work across tiles: for key tile t it issues S_t = Q K_t^T and O += P_{t-1} V_{t-1} together,
   waits for S_t only, forms P_t (and the rescaling factor) while the P V product still runs, then
   waits for it and rescales O. The first tile's S is formed before the loop (a prologue that
-  treats it as masked, whichever range it lies in) and the last tile's P V after it.
+  treats it as masked, whichever range it lies in) and the last tile's P V after it. ptxas moves
+  the wait for P V up to the last product issued before it, so P_t is in fact formed after P V
+  has finished (NOTES v27). With dropout, whose draws make P's formation longest, the kernel takes
+  a second schedule (SCORES_AHEAD): step t issues S_{t+1}, forms P_t while it runs, then rescales
+  O and issues O += P_t V_t; the prologue forms the first S, the epilogue the last P and P V.
 
 Online softmax in base 2, as in ``forward``: m' = max(m, rowmax(S)), P = exp2(S - m'),
 alpha = exp2(m - m'), l = l alpha + rowsum(P), O = O alpha + P V; at the end O / l and
@@ -35,7 +39,7 @@ import torch
 from . import hopper_gluon
 from .hopper_gluon import CONSUMER_REGISTERS, gluon, option_arguments, tile_arguments
 from .launch import SequenceLayout, kernel_variant
-from .options import FIXED_PIVOT, SINKS, AttentionOptions
+from .options import FIXED_PIVOT, SCORES_AHEAD, SINKS, AttentionOptions
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -62,8 +66,11 @@ def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q
 
 def forward_bits(options: AttentionOptions, dtype: torch.dtype) -> int:
     """The VARIANT bits the kernel reads beyond ``option_arguments``' (which serve the backward
-    too): SINKS, and FIXED_PIVOT where ``launch.kernel_variant`` allows it."""
-    return kernel_variant(options, dtype, False, forward=True) & (SINKS | FIXED_PIVOT)
+    too): SINKS, FIXED_PIVOT where ``launch.kernel_variant`` allows it, and SCORES_AHEAD (the
+    schedule that forms a tile's P while the next tile's S runs) with dropout, whose draws it
+    hides: +5-12% there, while the softcap and plain rows lost 2-10% with it (NOTES v27)."""
+    bits = kernel_variant(options, dtype, False, forward=True) & (SINKS | FIXED_PIVOT)
+    return bits | (SCORES_AHEAD if options.dropout_p > 0 else 0)
 
 
 def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: SequenceLayout) -> None:
@@ -88,7 +95,7 @@ if gluon is not None:
     ROWS = gl.constexpr(QUERY_ROWS)
     FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
     REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
-    SINKS_, FIXED_PIVOT_ = gl.constexpr(SINKS), gl.constexpr(FIXED_PIVOT)
+    SINKS_, FIXED_PIVOT_, SCORES_AHEAD_ = gl.constexpr(SINKS), gl.constexpr(FIXED_PIVOT), gl.constexpr(SCORES_AHEAD)
     LN2_ = gl.constexpr(0.6931471805599453)
 
     @gluon.jit
@@ -149,41 +156,61 @@ if gluon is not None:
         return gl.convert_layout(p, OPERAND_LAYOUT), alpha, row_max, row_sum
 
     @gluon.jit
-    def _key_tile(o, p_prev, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
+    def _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
                   slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
                   CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
                   ALIBI_SIDE: gl.constexpr):
-        """One step of the overlapped loop: S of key tile [n, n + KEYS) (ring buffer ``i``) and
-        O += P V of the previous tile (buffer i - 1, its P ``p_prev`` in OPERAND_LAYOUT) issued
-        together; P of this tile formed while the P V product runs. MASKED: this tile crosses a
-        band edge. Returns (o, p, row_max, row_sum)."""
-        prev = (i + STAGES - 1) % STAGES
-        s = _issue_scores(q, k_bufs, ready, i, S_LAYOUT, STAGES)
-        o = warpgroup_mma(p_prev, v_bufs.index(prev), o, is_async=True)
-        p, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2,
-                                                    pivot_constant, dropout, k_bufs.dtype, S_LAYOUT, OPERAND_LAYOUT,
-                                                    CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_SIDE)
-        o = warpgroup_mma_wait(0, deps=(o,))
-        mbarrier.arrive(empty.index(prev), count=1)
-        if not (FIXED_PIVOT_ & VARIANT):
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
-        return o, p, row_max, row_sum
+        """One step of the overlapped loop for key tile [n, n + KEYS), MASKED if it crosses a band
+        edge; returns (o, carried, row_max, row_sum). Two schedules (module docstring):
+
+        * P V behind S (``carried`` is the previous tile's P in OPERAND_LAYOUT, this tile's K in
+          ring buffer ``i``): issue S of this tile and O += P V of the previous one (buffer i - 1)
+          together, form this tile's P, wait for both, rescale O;
+        * SCORES_AHEAD (``carried`` is this tile's finished S product, its K and V in buffer
+          ``i``): issue S of the next tile (buffer i + 1), form this tile's P while it runs, then
+          rescale O and issue O += P V; here every wait follows a product issued behind the work it
+          is meant to overlap, which ptxas cannot move the wait above (NOTES v27)."""
+        if SCORES_AHEAD_ & VARIANT:
+            idx = i % STAGES
+            s_next = _issue_scores(q, k_bufs, ready, i + 1, S_LAYOUT, STAGES)
+            p, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, n, first_row, rows, band, score,
+                                                        slope_log2, pivot_constant, dropout, k_bufs.dtype, S_LAYOUT,
+                                                        OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_SIDE)
+            if not (FIXED_PIVOT_ & VARIANT):
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+            o = warpgroup_mma(p, v_bufs.index(idx), o, is_async=True)
+            carried = warpgroup_mma_wait(1, deps=(s_next,))
+            o = warpgroup_mma_wait(0, deps=(o,))
+            mbarrier.arrive(empty.index(idx), count=1)
+        else:
+            prev = (i + STAGES - 1) % STAGES
+            s = _issue_scores(q, k_bufs, ready, i, S_LAYOUT, STAGES)
+            o = warpgroup_mma(carried, v_bufs.index(prev), o, is_async=True)
+            carried, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score,
+                                                              slope_log2, pivot_constant, dropout, k_bufs.dtype,
+                                                              S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED,
+                                                              VARIANT, ALIBI_SIDE)
+            o = warpgroup_mma_wait(0, deps=(o,))
+            mbarrier.arrive(empty.index(prev), count=1)
+            if not (FIXED_PIVOT_ & VARIANT):
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+        return o, carried, row_max, row_sum
 
     @gluon.jit
-    def _key_range(o, p, row_max, row_sum, i, start, end, q, k_bufs, v_bufs, ready, empty, first_row, rows, band,
-                   score, slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
-                   CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
-                   ALIBI_SIDE: gl.constexpr):
-        """``_key_tile`` over the key tiles [start, end), ring buffers i, i + 1, ...; returns (o, p,
-        row_max, row_sum, the next buffer's count)."""
+    def _key_range(o, carried, row_max, row_sum, i, start, end, q, k_bufs, v_bufs, ready, empty, first_row, rows,
+                   band, score, slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr,
+                   OPERAND_LAYOUT: gl.constexpr, CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
+                   MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
+        """``_key_tile`` over the key tiles [start, end), ring buffers i, i + 1, ...; returns (o,
+        carried, row_max, row_sum, the next buffer's count)."""
         KEYS: gl.constexpr = k_bufs.shape[1]
         for n in range(start, end, KEYS):
-            o, p, row_max, row_sum = _key_tile(o, p, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n,
-                                               first_row, rows, band, score, slope_log2, pivot_constant, dropout,
-                                               S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, STAGES, MASKED, VARIANT,
-                                               ALIBI_SIDE)
+            o, carried, row_max, row_sum = _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ready, empty,
+                                                     i, n, first_row, rows, band, score, slope_log2, pivot_constant,
+                                                     dropout, S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, STAGES, MASKED,
+                                                     VARIANT, ALIBI_SIDE)
             i += 1
-        return o, p, row_max, row_sum, i
+        return o, carried, row_max, row_sum, i
 
     @gluon.jit
     def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
@@ -231,18 +258,30 @@ if gluon is not None:
         if MASK_LEFT_ & VARIANT:
             i = release_unread(ready, empty, i, keys_lo, lo, KEYS, STAGES)
         if lo < hi:
-            # prologue: the first tile's P, masked whichever range it lies in
+            # prologue: the first tile's S, and with P V behind S its P too (masked whichever range
+            # it lies in); the steps then run from ``first_step`` to ``step_end``, the last tile's
+            # P (SCORES_AHEAD) or P V after them
             s = _issue_scores(q, k_bufs, ready, i, s_layout, STAGES)
-            p, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score, slope_log2,
-                                                    pivot_constant, dropout, k_bufs.dtype, s_layout, operand_layout,
-                                                    CALLS_LAYOUT, 0, True, VARIANT, EDGE_SIDE)
-            i += 1
-            second = lo + KEYS
+            last = lo + (hi - 1 - lo) // KEYS * KEYS
+            if SCORES_AHEAD_ & VARIANT:
+                carried = warpgroup_mma_wait(0, deps=(s,))
+                first_step = lo
+                step_end = last
+            else:
+                carried, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score,
+                                                              slope_log2, pivot_constant, dropout, k_bufs.dtype,
+                                                              s_layout, operand_layout, CALLS_LAYOUT, 0, True,
+                                                              VARIANT, EDGE_SIDE)
+                i += 1
+                first_step = lo + KEYS
+                step_end = hi
             tiles = (q, k_bufs, v_bufs, ready, empty, first_row, rows, band, score, slope_log2, pivot_constant, dropout)
             if MASK_LEFT_ & VARIANT:
-                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, second, full_lo, *tiles, s_layout,
-                                                       operand_layout, CALLS_LAYOUT, STAGES, True, VARIANT, EDGE_SIDE)
-            below_end = gl.maximum(full_lo, second)
+                o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, first_step,
+                                                             gl.minimum(full_lo, step_end), *tiles, s_layout,
+                                                             operand_layout, CALLS_LAYOUT, STAGES, True, VARIANT,
+                                                             EDGE_SIDE)
+            below_end = gl.maximum(full_lo, first_step)
             above_start = below_end
             if ALIBI_ABS:  # the full tiles below the diagonal, across it, above it (``forward_logits``)
                 diag = band[0]
@@ -250,24 +289,38 @@ if gluon is not None:
                                        full_hi)
                 above_start = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(first_row + ROWS + diag, 0), KEYS) * KEYS,
                                                     below_end), full_hi)
-                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, gl.maximum(full_lo, second),
-                                                       below_end, *tiles, s_layout, operand_layout, CALLS_LAYOUT,
-                                                       STAGES, False, VARIANT, ALIBI_BELOW)
-                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, below_end, above_start, *tiles,
-                                                       s_layout, operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
-                                                       ALIBI_ACROSS)
+                o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i,
+                                                             gl.maximum(full_lo, first_step),
+                                                             gl.minimum(below_end, step_end), *tiles, s_layout,
+                                                             operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                             ALIBI_BELOW)
+                o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, below_end,
+                                                             gl.minimum(above_start, step_end), *tiles, s_layout,
+                                                             operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                             ALIBI_ACROSS)
             # (all full tiles without ALIBI_ABS)
-            o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, above_start, full_hi, *tiles, s_layout,
-                                                   operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT, FULL_SIDE)
+            o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, above_start,
+                                                         gl.minimum(full_hi, step_end), *tiles, s_layout,
+                                                         operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                         FULL_SIDE)
             if MASK_RIGHT_ & VARIANT:
-                o, p, row_max, row_sum, i = _key_range(o, p, row_max, row_sum, i, gl.maximum(full_hi, second), hi,
-                                                       *tiles, s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
-                                                       VARIANT, EDGE_SIDE)
-            # epilogue: the last tile's P V
-            last = (i + STAGES - 1) % STAGES
-            o = warpgroup_mma(p, v_bufs.index(last), o, is_async=True)
+                o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i,
+                                                             gl.maximum(full_hi, first_step), step_end, *tiles,
+                                                             s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
+                                                             VARIANT, EDGE_SIDE)
+            # epilogue: the last tile's P V (SCORES_AHEAD: its P first)
+            if SCORES_AHEAD_ & VARIANT:
+                carried, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, last, first_row, rows,
+                                                                  band, score, slope_log2, pivot_constant, dropout,
+                                                                  k_bufs.dtype, s_layout, operand_layout,
+                                                                  CALLS_LAYOUT, 0, True, VARIANT, EDGE_SIDE)
+                if not (FIXED_PIVOT_ & VARIANT):
+                    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+                i += 1
+            last_buffer = (i + STAGES - 1) % STAGES
+            o = warpgroup_mma(carried, v_bufs.index(last_buffer), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=(o,))
-            mbarrier.arrive(empty.index(last), count=1)
+            mbarrier.arrive(empty.index(last_buffer), count=1)
         if MASK_RIGHT_ & VARIANT:
             release_unread(ready, empty, i, hi_end, keys_hi, KEYS, STAGES)
 

@@ -40,6 +40,7 @@ MAX_WINDOW = 2 ** 30
 # VARIANT bits (scores.py holds the same values as constexprs)
 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX, FIXED_PIVOT = 1, 2, 4, 8, 16, 32, 64, 128
 WIDE_PRODUCTS = 256
+SCORES_AHEAD = 512  # the Gluon forward's schedule for dropout (hopper_forward)
 
 
 @dataclass(frozen=True)
