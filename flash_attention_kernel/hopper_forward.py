@@ -156,6 +156,13 @@ if gluon is not None:
         return gl.convert_layout(p, OPERAND_LAYOUT), alpha, row_max, row_sum
 
     @gluon.jit
+    def _rescale(o, alpha, VARIANT: gl.constexpr):
+        """O times each row's alpha = exp2(m - m') (``_probabilities``); nothing with a fixed pivot."""
+        if not (FIXED_PIVOT_ & VARIANT):
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+        return o
+
+    @gluon.jit
     def _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
                   slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
                   CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
@@ -176,9 +183,7 @@ if gluon is not None:
             p, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, n, first_row, rows, band, score,
                                                         slope_log2, pivot_constant, dropout, k_bufs.dtype, S_LAYOUT,
                                                         OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_SIDE)
-            if not (FIXED_PIVOT_ & VARIANT):
-                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
-            o = warpgroup_mma(p, v_bufs.index(idx), o, is_async=True)
+            o = warpgroup_mma(p, v_bufs.index(idx), _rescale(o, alpha, VARIANT), is_async=True)
             carried = warpgroup_mma_wait(1, deps=(s_next,))
             o = warpgroup_mma_wait(0, deps=(o,))
             mbarrier.arrive(empty.index(idx), count=1)
@@ -192,8 +197,7 @@ if gluon is not None:
                                                               VARIANT, ALIBI_SIDE)
             o = warpgroup_mma_wait(0, deps=(o,))
             mbarrier.arrive(empty.index(prev), count=1)
-            if not (FIXED_PIVOT_ & VARIANT):
-                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+            o = _rescale(o, alpha, VARIANT)
         return o, carried, row_max, row_sum
 
     @gluon.jit
@@ -262,11 +266,10 @@ if gluon is not None:
             # it lies in); the steps then run from ``first_step`` to ``step_end``, the last tile's
             # P (SCORES_AHEAD) or P V after them
             s = _issue_scores(q, k_bufs, ready, i, s_layout, STAGES)
-            last = lo + (hi - 1 - lo) // KEYS * KEYS
             if SCORES_AHEAD_ & VARIANT:
                 carried = warpgroup_mma_wait(0, deps=(s,))
                 first_step = lo
-                step_end = last
+                step_end = lo + (hi - 1 - lo) // KEYS * KEYS  # (the last tile, whose P the epilogue forms)
             else:
                 carried, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score,
                                                               slope_log2, pivot_constant, dropout, k_bufs.dtype,
@@ -310,12 +313,11 @@ if gluon is not None:
                                                              VARIANT, EDGE_SIDE)
             # epilogue: the last tile's P V (SCORES_AHEAD: its P first)
             if SCORES_AHEAD_ & VARIANT:
-                carried, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, last, first_row, rows,
+                carried, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, step_end, first_row, rows,
                                                                   band, score, slope_log2, pivot_constant, dropout,
                                                                   k_bufs.dtype, s_layout, operand_layout,
                                                                   CALLS_LAYOUT, 0, True, VARIANT, EDGE_SIDE)
-                if not (FIXED_PIVOT_ & VARIANT):
-                    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+                o = _rescale(o, alpha, VARIANT)
                 i += 1
             last_buffer = (i + STAGES - 1) % STAGES
             o = warpgroup_mma(carried, v_bufs.index(last_buffer), o, is_async=True)
