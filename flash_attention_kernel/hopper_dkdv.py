@@ -33,7 +33,7 @@ import torch
 from . import hopper_gluon
 from .hopper_gluon import CONSUMER_REGISTERS, gluon, option_arguments, tile_arguments
 from .launch import SequenceLayout
-from .options import AttentionOptions
+from .options import MASK_LEFT, AttentionOptions
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -45,10 +45,19 @@ if gluon is not None:
         tile_logits_grad, tma_load,
     )
 
-# Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements)
-STAGES = {64: 4, 128: 3}
 KEY_ROWS = 64  # keys per consumer warpgroup: the wgmma M of S^T
 QUERY_ROWS = 64  # query rows per ring buffer: the wgmma N of S^T, K of dV and dK
+# Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements). Under
+# a window's left edge a program visits few query tiles, two of them masked and some released
+# unread, and a deeper ring keeps the producer ahead: +2-7% on the window backward at d128, where
+# the other variants lost 3-5% (benchmarks/NOTES.md, v29)
+STAGES = {64: 4, 128: 3}
+WINDOW_STAGES = {64: 4, 128: 4}
+
+
+def ring_stages(variant: int, head_dim: int) -> int:
+    """The ring depth of the kernel for these VARIANT bits and head dim."""
+    return (WINDOW_STAGES if variant & MASK_LEFT else STAGES)[head_dim]
 
 
 def plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, *tensors: torch.Tensor) -> bool:
@@ -76,7 +85,8 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
         *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
         layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,
-        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=STAGES[head_dim], **constexprs, num_warps=4,
+        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=ring_stages(options.variant, head_dim),
+        **constexprs, num_warps=4,
     )
 
 

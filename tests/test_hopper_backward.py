@@ -102,7 +102,8 @@ else:
     function = module._dq_kernel
     row_calls = sys.modules[name + ".flash_attention_kernel.hopper_dropout"].row_calls
     extra = dict(KEYS=module.KEY_ROWS, CALLS_LAYOUT=row_calls(module.KEY_ROWS))
-constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=module.STAGES[head_dim], VARIANT=variant,
+stages = module.ring_stages(variant, head_dim) if kernel == "dkdv" else module.STAGES[head_dim]
+constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=stages, VARIANT=variant,
                  ALIBI_ABS=alibi_abs, **extra)
 signature = dict(
     q_desc=descriptor, k_desc=descriptor, v_desc=descriptor, do_desc=descriptor, **{n: "i32" for n in geometry},
