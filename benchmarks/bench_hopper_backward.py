@@ -32,7 +32,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from flash_attention_kernel import AttentionOptions, attention_backward, attention_forward  # noqa: E402
 from flash_attention_kernel import backward as tl_backward  # noqa: E402
-from flash_attention_kernel import hopper_dkdv, hopper_dq  # noqa: E402
+from flash_attention_kernel import hopper_dkdv, hopper_dq, hopper_route  # noqa: E402
 from flash_attention_kernel.launch import SequenceLayout  # noqa: E402
 from flash_attention_kernel.options import draw_rng_state  # noqa: E402
 
@@ -79,8 +79,8 @@ def measure(seqlen, heads, head_dim, causal, softcap, dropout):
     layout = SequenceLayout.of(q, k)
     label = f"seqlen {seqlen:5d} causal={causal!s:5} softcap={softcap:g} dropout={dropout:g}"
     os.environ["FLASH_ATTENTION_GLUON"] = "1"
-    taken = tuple(name for name, (module, _, _) in KERNELS.items()
-                  if module.plan(options, layout, False, q, k, v, dout))
+    taken = tuple(name for name in KERNELS
+                  if getattr(hopper_route, name)(options, layout, False, q, k, v, dout) is not None)
     if not taken:
         return f"{label}: not taken by Gluon"
 

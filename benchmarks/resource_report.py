@@ -26,7 +26,9 @@ Usage: python benchmarks/resource_report.py [--arch 90] [--variant causal,softca
        alibi, sinks, dropout, tanh_approx, wide_products; --ptx: also write each kernel's PTX, without its debug
        sections and line records, to DIR, so that two trees' kernels can be compared with diff:
        identical files mean identical plain kernels)
-       python benchmarks/resource_report.py --table [sm90 sm80 sm86 sm75] [--jobs 2]
+       python benchmarks/resource_report.py --table [sm90 sm80 sm86 sm75] [--jobs 2] [--as-run]
+       (--as-run: only the entries the installed Triton runs: the warp-specialised loops only under
+       a Triton in launch.WARP_SPECIALIZATION_CHECKED; scripts/triton_matrix.py compiles so)
 """
 
 import contextlib
@@ -46,7 +48,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_attention_kernel import backward, configs, decode, forward, options  # noqa: E402
+from flash_attention_kernel import backward, configs, decode, forward, launch, options  # noqa: E402
 
 KERNELS = {"fwd": forward._attn_fwd_kernel, "dkdv": backward._attn_bwd_dkdv_kernel, "dq": backward._attn_bwd_dq_kernel,
            "decode": decode._decode_kernel}
@@ -173,10 +175,12 @@ class TableEntry:
                 f"{'xws' if self.specialized else ''}")
 
 
-def table_entries(gpu: configs.GpuClass) -> list:
+def table_entries(gpu: configs.GpuClass, as_run: bool = False) -> list:
     """The distinct compilations of ``gpu``'s table: each (architecture, kernel, dtype, config,
     warp-specialised?) once, at the widest width that takes it; with the KV-cache kernel's configs
-    (configs.decode_config, for blocks of 1 to 64 rows)."""
+    (configs.decode_config, for blocks of 1 to 64 rows). ``as_run``: the warp-specialised entries
+    only where the installed Triton runs them (launch.WARP_SPECIALIZATION_CHECKED)."""
+    specializes = not as_run or triton.__version__.startswith(launch.WARP_SPECIALIZATION_CHECKED)
     widest = {}
     two_byte = "bf16" if min(gpu.capabilities) >= (8, 0) else "fp16"
     dtypes = ((two_byte, torch.float16), ("fp32", torch.float32))
@@ -192,7 +196,7 @@ def table_entries(gpu: configs.GpuClass) -> list:
             except ValueError:  # a call the class refuses (no tile fits): nothing to compile
                 pass
         specialized = configs.warp_specialized_config(kernel, width, torch_dtype, False, mask, seqlen, gpu.name)
-        if specialized is not None and major == 9:
+        if specialized is not None and major == 9 and specializes:
             found.append((specialized, True))
         for config, is_specialized in found:
             key = (arch, short_name, dtype, config, is_specialized)
@@ -228,11 +232,11 @@ def _check(entry):
         return entry, None, f"{type(error).__name__}: {str(error)[:300]}"
 
 
-def check_tables(class_names, jobs=1) -> bool:
-    """Compile every table entry of the named classes and print each against its class's limit;
-    True when every entry compiles and fits."""
+def check_tables(class_names, jobs=1, as_run=False) -> bool:
+    """Compile every table entry of the named classes (``as_run``: as ``table_entries``) and print
+    each against its class's limit; True when every entry compiles and fits."""
     classes = [gpu for gpu in configs.GPU_CLASSES if not class_names or gpu.name in class_names]
-    entries = [entry for gpu in classes for entry in table_entries(gpu)]
+    entries = [entry for gpu in classes for entry in table_entries(gpu, as_run)]
     limits = {gpu.name: gpu.shared_memory for gpu in classes}
     ok = True
     with multiprocessing.Pool(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
@@ -256,7 +260,8 @@ def main(argv):
             at = argv.index("--jobs")
             jobs = int(argv[at + 1])
             argv = argv[:at] + argv[at + 2:]
-        sys.exit(0 if check_tables([name for name in argv if name != "--table"], jobs) else 1)
+        names = [name for name in argv if name not in ("--table", "--as-run")]
+        sys.exit(0 if check_tables(names, jobs, "--as-run" in argv) else 1)
     if len(argv) < 4:
         sys.exit(__doc__)
     arch = 90

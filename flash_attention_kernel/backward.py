@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hopper_dkdv, hopper_dq
+from . import hopper_route
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
@@ -353,11 +353,11 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     dq_plan = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
     if (dkdv_plan.tma or dq_plan.tma) and not interpreted:
         ensure_scratch_allocator()
-    gluon_dq = hopper_dq.plan(options, layout, interpreted, q, k, v, dout)
+    gluon_dq = hopper_route.dq(options, layout, interpreted, q, k, v, dout)
     # A plain dense tl dQ kernel computes delta itself and runs first, saving the preprocess launch
     # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
     # that behind the extra prologue (benchmarks/NOTES.md, v7 and v8).
-    delta_in_dq = not dq_plan.specialized and not layout.is_varlen and not gluon_dq
+    delta_in_dq = not dq_plan.specialized and not layout.is_varlen and gluon_dq is None
 
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
@@ -386,12 +386,13 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
-    if hopper_dkdv.plan(options, layout, interpreted, q, k, v, dout):
-        hopper_dkdv.attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
+    gluon_dkdv = hopper_route.dkdv(options, layout, interpreted, q, k, v, dout)
+    if gluon_dkdv is not None:
+        gluon_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
     else:
         launch_fitting(dkdv_plan, launch_dkdv)
-    if gluon_dq:
-        hopper_dq.attention_dq(dout, q, k, v, lse, delta, dq, options, layout)
+    if gluon_dq is not None:
+        gluon_dq(dout, q, k, v, lse, delta, dq, options, layout)
     elif not delta_in_dq:
         launch_fitting(dq_plan, launch_dq)
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)

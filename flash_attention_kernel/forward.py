@@ -22,7 +22,7 @@ masked ranges in one loop, which saves a pipeline fill and drain per program; ot
 full range, then the masked one.
 
 On Hopper, dense calls with full tiles (bf16/fp16, head dim 64 or 128, any options) take the
-Gluon kernel ``hopper_forward`` instead (``hopper_gluon.fits``): the same math with warp roles and
+Gluon kernel ``hopper_forward`` instead (``hopper_route.forward``): the same math with warp roles and
 FlashAttention-3's overlap of each tile's softmax with the previous tile's P V product.
 
 Dense and variable-length batches share the kernel: with IS_VARLEN a program reads its sequence's
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hopper_forward
+from . import hopper_route
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
@@ -209,8 +209,9 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
         return out.zero_(), _lse_without_keys(lse, options)
 
     interpreted = is_interpreted(_attn_fwd_kernel)
-    if hopper_forward.plan(options, layout, interpreted, q, k, v):
-        hopper_forward.attention_forward(q, k, v, out, lse, options, layout)
+    gluon_forward = hopper_route.forward(options, layout, interpreted, q, k, v)
+    if gluon_forward is not None:
+        gluon_forward(q, k, v, out, lse, options, layout)
         return out, lse
     dim_a, dim_b = head_dim_chunks(head_dim)
     plan = launch_plan("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)

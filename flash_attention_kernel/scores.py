@@ -337,7 +337,7 @@ def dropout_keep(offs_m, start_n, dropout, BLOCK_N: tl.constexpr, KEYS_FIRST: tl
     seed, stream, offset, threshold = dropout
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     tl.static_assert(BLOCK_M >= 16, "dropout tiles hold at least 16 query rows")
-    SPAN: tl.constexpr = min(BLOCK_N, 32)
+    SPAN: tl.constexpr = BLOCK_N if BLOCK_N < 32 else 32  # (not min(): Triton 3.4 folds no builtin min of constexprs)
     key_groups = (start_n // 32 + tl.arange(0, BLOCK_N // SPAN))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [T, c]
     query_groups = tl.split(tl.permute(tl.reshape(offs_m, [BLOCK_M // 16, 2, 8]), (0, 2, 1)))[0]  # [A, r]: h = 0
     limit = threshold.to(tl.uint32) << 24

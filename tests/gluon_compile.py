@@ -4,18 +4,20 @@ needed (tests/test_hopper_forward.py, test_hopper_backward.py: Gluon's API chang
 In a fresh process: the check needs the installed Triton's compiler only, and a test worker that
 has run kernels through TRITON_INTERPRET=1 can carry the interpreter's state into it (CI saw
 gl.program_id return a bare IR value there, once, in one worker). The caller's script body sees
-``package`` (the built package, imported under its own name ``name``), ``gl`` and ``args`` (its
-arguments, as strings) and sets ``function``, ``signature`` and ``constants`` for
+``package`` (the built package, imported under its own name ``name``: its Gluon modules load
+with ``importlib.import_module(name + ".flash_attention_kernel.hopper_...")``), ``gl`` and
+``args`` (its arguments, as strings) and sets ``function``, ``signature`` and ``constants`` for
 ``GluonASTSource``.
 """
 
+import importlib
 import os
 import pathlib
 import subprocess
 import sys
 
 _PRELUDE = """
-import importlib.util, pathlib, sys
+import importlib, importlib.util, pathlib, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
@@ -44,3 +46,9 @@ def assert_compiles_for_hopper(fa, body: str, *args) -> None:
     result = subprocess.run([sys.executable, "-c", _PRELUDE + body + _COMPILE, package_dir, fa.__name__,
                              *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def gluon_module(fa, name: str):
+    """The package's Gluon module ``name`` (hopper_gluon, hopper_forward, ...), imported on demand
+    as the kernels' route does (hopper_route): no module imports them at import time."""
+    return importlib.import_module(f"{fa.__name__}.flash_attention_kernel.{name}")

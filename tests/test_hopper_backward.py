@@ -21,7 +21,7 @@ import torch
 import triton
 
 from conftest import ON_GPU
-from gluon_compile import assert_compiles_for_hopper
+from gluon_compile import assert_compiles_for_hopper, gluon_module
 from reference import BWD_FACTOR, assert_within_bar, run_ref
 from sizes import BF16
 
@@ -33,13 +33,13 @@ def _bshd(batch, seqlen, heads, dtype, head_dim=128):
 
 
 def _plans(fa, q, k, v, causal=False, **options):
-    """Whether (``hopper_dkdv.plan``, ``hopper_dq.plan``) take these inputs (as attention_backward
-    asks them)."""
+    """Whether (``hopper_route.dkdv``, ``hopper_route.dq``) route these inputs to the Gluon kernels
+    (as attention_backward asks them)."""
     kernels = fa.flash_attention_kernel
     layout = kernels.launch.SequenceLayout.of(q, k)
     attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
-    return tuple(module.plan(attention, layout, not ON_GPU, q, k, v, torch.empty_like(q))
-                 for module in (kernels.hopper_dkdv, kernels.hopper_dq))
+    return tuple(route(attention, layout, not ON_GPU, q, k, v, torch.empty_like(q)) is not None
+                 for route in (kernels.hopper_route.dkdv, kernels.hopper_route.dq))
 
 
 def _taken(fa, q, k, v, causal=False, **options):
@@ -49,7 +49,7 @@ def _taken(fa, q, k, v, causal=False, **options):
 
 def test_taken_only_where_they_can_work(fa, monkeypatch):
     q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 256, 2, BF16), _bshd(2, 256, 2, BF16)
-    checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_gluon.CHECKED_VERSIONS)
+    checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_route.CHECKED_VERSIONS)
     assert _taken(fa, q, k, v, causal=True) == (ON_HOPPER and checked)
     assert _taken(fa, q, k, v, softcap=30.0) == (ON_HOPPER and checked)
     assert _taken(fa, q, k, v, causal=True, softcap=30.0, sinks=torch.zeros(4, device=q.device)) == \
@@ -80,7 +80,7 @@ def test_taken_only_where_they_can_work(fa, monkeypatch):
 _KERNEL_SIGNATURE = """
 kernel, head_dim, group, variant, alibi_abs = args
 head_dim, group, variant, alibi_abs = int(head_dim), int(group), int(variant), alibi_abs == "True"
-module = getattr(package.flash_attention_kernel, "hopper_" + kernel)
+module = importlib.import_module(name + ".flash_attention_kernel.hopper_" + kernel)
 shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
 descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
 geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
@@ -122,7 +122,7 @@ def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
     alibi = options.pop("alibi", False)
     attention = fa.flash_attention_kernel.AttentionOptions(
         0.125, alibi_slopes=torch.ones(1) if alibi else None, **options)
-    _, constexprs = fa.flash_attention_kernel.hopper_gluon.option_arguments(attention, torch.empty(1))
+    _, constexprs = gluon_module(fa, "hopper_gluon").option_arguments(attention, torch.empty(1))
     assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, kernel, head_dim, group, constexprs["VARIANT"],
                                constexprs["ALIBI_ABS"])
 
@@ -286,8 +286,8 @@ def test_windows_and_alibi(fa, monkeypatch, name, shape, options):
         dropout_p=dropout_p, alibi_slopes=options.get("alibi_slopes"), sinks=options.get("s_aux"))
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
     layout = kernels.launch.SequenceLayout.of(q, k)
-    assert kernels.hopper_dkdv.plan(attention, layout, False, q, k, v, dout)
-    assert kernels.hopper_dq.plan(attention, layout, False, q, k, v, dout) == (causal or not dropout_p)
+    assert kernels.hopper_route.dkdv(attention, layout, False, q, k, v, dout) is not None
+    assert (kernels.hopper_route.dq(attention, layout, False, q, k, v, dout) is not None) == (causal or not dropout_p)
     runs = {}
     for setting in ("1", "0", "1"):
         monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from conftest import ON_GPU
-from gluon_compile import assert_compiles_for_hopper
+from gluon_compile import assert_compiles_for_hopper, gluon_module
 from reference import FWD_FACTOR, assert_within_bar, attention_ref
 from sizes import BF16
 
@@ -34,16 +34,16 @@ def _bshd(batch, seqlen, heads, dtype, head_dim=128):
 
 
 def _plan(fa, q, k, v, causal=False, **options):
-    """Whether ``hopper_forward.plan`` takes these inputs (as attention_forward asks it)."""
+    """Whether ``hopper_route.forward`` routes these inputs to the Gluon kernel (as attention_forward asks it)."""
     kernels = fa.flash_attention_kernel
     layout = kernels.launch.SequenceLayout.of(q, k)
     attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
-    return kernels.hopper_forward.plan(attention, layout, not ON_GPU, q, k, v)
+    return kernels.hopper_route.forward(attention, layout, not ON_GPU, q, k, v) is not None
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):
     q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 384, 2, BF16), _bshd(2, 384, 2, BF16)
-    checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_gluon.CHECKED_VERSIONS)
+    checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_route.CHECKED_VERSIONS)
     expected = ON_HOPPER and checked
     assert _plan(fa, q, k, v, causal=True) == expected
     assert _plan(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7) == expected
@@ -56,8 +56,8 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32, device=q.device)
     varlen = kernels.launch.SequenceLayout.of(q.flatten(0, 1), k[:, :256].flatten(0, 1), cu_seqlens, cu_seqlens,
                                               256, 256)
-    assert not kernels.hopper_forward.plan(kernels.AttentionOptions(q.shape[-1] ** -0.5, True), varlen, not ON_GPU,
-                                           q.flatten(0, 1), k[:, :256].flatten(0, 1), v[:, :256].flatten(0, 1))
+    assert kernels.hopper_route.forward(kernels.AttentionOptions(q.shape[-1] ** -0.5, True), varlen, not ON_GPU,
+                                        q.flatten(0, 1), k[:, :256].flatten(0, 1), v[:, :256].flatten(0, 1)) is None
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
     assert not _plan(fa, q, k, v, causal=True)
 
@@ -65,7 +65,7 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
 # (tests/gluon_compile.py: args head dim, group, VARIANT, ALIBI_ABS)
 _KERNEL_SIGNATURE = """
 head_dim, group, variant, alibi_abs = int(args[0]), int(args[1]), int(args[2]), args[3] == "True"
-module = package.flash_attention_kernel.hopper_forward
+module = importlib.import_module(name + ".flash_attention_kernel.hopper_forward")
 
 def descriptor(rows):
     shared = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
@@ -94,8 +94,8 @@ def test_compiles_for_hopper(fa, head_dim, group, options):
     alibi, sinks = options.pop("alibi", False), options.pop("sinks", False)
     attention = kernels.AttentionOptions(0.125, alibi_slopes=torch.ones(1) if alibi else None,
                                          sinks=torch.ones(1) if sinks else None, **options)
-    _, constexprs = kernels.hopper_gluon.option_arguments(attention, torch.empty(1))
-    variant = constexprs["VARIANT"] | kernels.hopper_forward.forward_bits(attention, BF16)
+    _, constexprs = gluon_module(fa, "hopper_gluon").option_arguments(attention, torch.empty(1))
+    variant = constexprs["VARIANT"] | gluon_module(fa, "hopper_forward").forward_bits(attention, BF16)
     assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, head_dim, group, variant, constexprs["ALIBI_ABS"])
 
 

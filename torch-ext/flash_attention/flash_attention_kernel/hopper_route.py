@@ -1,0 +1,1 @@
+../../../flash_attention_kernel/hopper_route.py
