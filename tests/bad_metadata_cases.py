@@ -26,6 +26,7 @@ N = TOKENS
 VARLEN_CU = {  # cu_seqlens values of a 2-sequence batch over N tokens
     "end past the tokens": [0, 5, N + 24],
     "end just past the tokens": [0, 5, N + 4],
+    "last sequence past the tokens": [0, N - 2, N + 24],
     "negative entry": [0, -7, 3],
     "decreasing": [0, N, 3],
     "all past the tokens": [N + 5, N + 10, N + 20],
@@ -151,16 +152,27 @@ def paged_kvcache(fa, num_splits, table, cache_seqlens):
 
 def paged_prefill(fa, table, cu_k_values, requires_grad=False):
     """flash_attn_varlen_func over a paged cache with NaN pages around it: out-of-range table
-    entries and key counts past max_seqlen_k (and past the table's pages)."""
+    entries and key counts past max_seqlen_k (and past the table's pages). The output must be that
+    of the table clamped into the cache and the key counts clamped into [0, max_seqlen_k], which
+    shows that no table entry past a row's max_seqlen_k keys was read."""
     buffers, caches = zip(*(bordered(4, 16, HEADS, DIM) for _ in range(2)))
     q = torch.randn(8, HEADS, DIM, device=DEVICE, requires_grad=requires_grad)
     cu_q = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor(cu_k_values, dtype=torch.int32, device=DEVICE)
-    out = fa.flash_attn_varlen_func(q, *caches, cu_q, cu_k, 5, 16 * len(table[0]),
-                                    block_table=torch.tensor(table, dtype=torch.int32, device=DEVICE))
+    max_seqlen_k = 16 * len(table[0])
+
+    def call(table, cu_k_values):
+        return fa.flash_attn_varlen_func(q, *caches, cu_q, torch.tensor(cu_k_values, dtype=torch.int32, device=DEVICE),
+                                         5, max_seqlen_k,
+                                         block_table=torch.tensor(table, dtype=torch.int32, device=DEVICE))
+
+    out = call(table, cu_k_values)
     assert torch.isfinite(out).all(), "out is not finite"
     for name, buffer in zip(("k_cache", "v_cache"), buffers):
         assert_border_untouched(name, buffer)
+    lengths = [max(min(b, 2 ** 31 - 1) - max(a, 0), 0) for a, b in zip(cu_k_values, cu_k_values[1:])]
+    clamped_cu = [0] + [sum(min(n, max_seqlen_k) for n in lengths[:i + 1]) for i in range(len(lengths))]
+    clamped_table = [[min(max(page, 0), 3) for page in row] for row in table]
+    assert torch.equal(out, call(clamped_table, clamped_cu)), "out differs from the clamped metadata's"
 
 
 CASES = {
@@ -168,7 +180,7 @@ CASES = {
     **{f"varlen causal fwd+bwd, {name}": (varlen, dict(cu_values=cu, causal=True, backward=True))
        for name, cu in VARLEN_CU.items()},
     "probabilities, sequences past max_seqlen": (probabilities, {}),
-    "rotary varlen, end past the tokens": (rotary, dict(cu_values=VARLEN_CU["end past the tokens"])),
+    "rotary varlen, last sequence past the tokens": (rotary, dict(cu_values=VARLEN_CU["last sequence past the tokens"])),
     "rotary varlen, negative entry": (rotary, dict(cu_values=VARLEN_CU["negative entry"])),
     "rotary, negative offsets": (rotary, dict(offsets=[-5, -N - 3])),
     **{f"kvcache {name}, {splits} split(s)": (kvcache, dict(num_splits=splits, **kwargs))
