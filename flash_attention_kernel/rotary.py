@@ -123,7 +123,8 @@ def load_rotated_rows(base_ptr, row_offsets, row_mask, positions, Cos, Sin, stri
     mask = row_mask[:, None] & rotating[None, :]
     other = tl.load(base_ptr + row_offsets[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     table = (positions.to(tl.int64) * stride_cos)[:, None] + pair[None, :]
-    in_table = mask & ((positions >= 0) & (positions < seqlen_ro))[:, None]  # positions outside rotate by 0
+    in_table = mask & (positions < seqlen_ro)[:, None]  # positions past the tables rotate by 0 (never negative:
+    # the KV-cache kernel clamps cache_seqlens into [0, capacity])
     cos = tl.load(Cos + table, mask=in_table, other=1.0).to(tl.float32)
     sin = tl.load(Sin + table, mask=in_table, other=0.0).to(tl.float32)
     rotated = x.to(tl.float32) * cos + tl.where(first[None, :], -other, other) * sin
