@@ -55,7 +55,7 @@ KERNELS = {"fwd": forward._attn_fwd_kernel, "dkdv": backward._attn_bwd_dkdv_kern
 INT32_POINTERS = ("CacheSeqlens", "CacheBatchIdx", "CacheLeftpad", "BlockTable")
 STATS = ("Lse", "Delta", "DLse", "AlibiSlopes", "Sinks")
 SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_alibi_b", "cache_seqlen", "capacity",
-                  "num_splits", "cache_entries")  # (no divisibility hint)
+                  "num_splits", "cache_entries", "total_q", "total_k")  # (no divisibility hint)
 FLOAT_ARGS = ("softmax_scale", "score_scale", "softcap_log2", "dropout_scale")
 VARIANT_BITS = {"window": options.MASK_LEFT | options.MASK_RIGHT, "causal": options.MASK_RIGHT,
                 "softcap": options.SOFTCAP, "alibi": options.ALIBI, "sinks": options.SINKS, "dropout": options.DROPOUT,

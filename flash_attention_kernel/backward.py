@@ -53,9 +53,9 @@ from .tiles import (
 )
 
 
-@triton.jit(do_not_specialize=["seqlen_q"])
+@triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def _attn_bwd_preprocess_kernel(
-    Out, DO, DLse, Delta, CuSeqlensQ,
+    Out, DO, DLse, Delta, CuSeqlensQ, total_q,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     stride_stat_b, stride_stat_h,
@@ -66,7 +66,7 @@ def _attn_bwd_preprocess_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, total_q, IS_VARLEN)
     if start_m >= seqlen_q:
         return
     do_a, do_b = load_tile(tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom), start_m,
@@ -129,9 +129,9 @@ def _dkdv_query_loop(
     return dk_a, dk_b, dv_a, dv_b
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -149,10 +149,10 @@ def _attn_bwd_dkdv_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
+    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, total_k, IS_VARLEN)
     if start_n >= seqlen_k:  # varlen: the grid covers the longest sequence
         return
-    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, total_q, IS_VARLEN)
     diag = seqlen_k - seqlen_q
     window = (window_left, window_right)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
@@ -234,9 +234,9 @@ def _dq_key_loop(
     return dq_a, dq_b
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Out, Lse, DLse, Delta, DQ, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DO, Out, Lse, DLse, Delta, DQ, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -257,11 +257,11 @@ def _attn_bwd_dq_kernel(
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, total_q, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
-    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
+    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, total_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     diag = seqlen_k - seqlen_q
     window = (window_left, window_right)
@@ -361,7 +361,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
 
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, v, dout, out, lse, dlse, delta, dq, *layout.cu_seqlens(),
+            q, k, v, dout, out, lse, dlse, delta, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
             USE_TMA=dq_plan.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq, HAS_DLSE=has_dlse,
@@ -370,7 +370,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
 
     def launch_dkdv(config, specialized):
         wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)](
-            q, k, v, dout, lse, delta, dk, dv, *layout.cu_seqlens(),
+            q, k, v, dout, lse, delta, dk, dv, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
             *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
             *option_args, **common, **matmul,
@@ -382,7 +382,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     else:
         pre_block = 64 if not interpreted else 32
         wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
-            out, dout, dlse, delta, layout.cu_seqlens_q,
+            out, dout, dlse, delta, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[2],
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )

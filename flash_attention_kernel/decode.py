@@ -18,8 +18,10 @@ chunked prefill: a few to a few hundred). Two kernels, launched in order on one 
      reads them: each program writes the new rows inside its own key range before its loop (a
      barrier orders its writes before its reads), and the program of split 0 and row block 0
      writes all of them (rows no query sees still belong in the cache). No program reads a row
-     that another one writes, so no launch is needed in between; rows past the cache's capacity
-     are dropped, so a bad ``cache_seqlens`` never writes out of bounds.
+     that another one writes, so no launch is needed in between. A ``cache_seqlens`` entry is
+     clamped into [0, capacity] and rows past the capacity are dropped, cache_batch_idx,
+     cache_leftpad and block-table entries are clamped into what they index, so wrong values
+     never read or write outside a tensor.
    Queries are rotated as they are loaded (rotary.load_rotated_rows) at cache_seqlens + i with a
    causal mask or a window, else all at cache_seqlens, as flash-attn does. Masks, softcap, ALiBi
    and sinks come from scores.py as in the forward kernel; causal masks and windows are aligned to
@@ -75,12 +77,13 @@ def _cache_rows(positions, inside, batch, cache_row, BlockTable, stride_table, c
 
 
 @triton.jit
-def _sequence_start(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, cache_entries,
+def _sequence_start(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, capacity, cache_entries,
                     SEQLENS_PER_BATCH: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
-    """(keys already in the cache, cache row) of batch entry ``batch``; a cache_batch_idx entry is
-    clamped into the cache's ``cache_entries`` rows."""
+    """(keys already in the cache, cache row) of batch entry ``batch``; a cache_seqlens entry is
+    clamped into [0, capacity] and a cache_batch_idx entry into the cache's ``cache_entries`` rows
+    (an int cache_seqlen is checked on the host)."""
     if SEQLENS_PER_BATCH:
-        cache_seqlen = tl.load(CacheSeqlens + batch)
+        cache_seqlen = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), capacity)
     cache_row = batch
     if HAS_BATCH_IDX:
         cache_row = tl.minimum(tl.maximum(tl.load(CacheBatchIdx + batch), 0), cache_entries - 1)
@@ -141,9 +144,9 @@ def _decode_kernel(
     start_r = (tl.program_id(0) // num_splits) * BLOCK_M
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    cache_seqlen, cache_row = _sequence_start(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, cache_entries,
-                                              SEQLENS_PER_BATCH, HAS_BATCH_IDX)
-    seqlen_k = tl.minimum(tl.maximum(cache_seqlen + seqlen_new, 0), capacity)
+    cache_seqlen, cache_row = _sequence_start(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, capacity,
+                                              cache_entries, SEQLENS_PER_BATCH, HAS_BATCH_IDX)
+    seqlen_k = tl.minimum(cache_seqlen + seqlen_new, capacity)
     key_start = 0
     if HAS_LEFTPAD:
         key_start = tl.minimum(tl.maximum(tl.load(CacheLeftpad + batch), 0), seqlen_k)

@@ -107,9 +107,9 @@ def forward_key_loop(
     return acc_a, acc_b, row_sum, row_max
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, BlockTable, stride_table, num_pages,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, total_q, total_k, BlockTable, stride_table, num_pages,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -124,15 +124,20 @@ def _attn_fwd_kernel(
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """PAGE_SIZE > 0: K and V are paged caches (pages, PAGE_SIZE, heads_k, head_dim), stride_kb and
-    stride_vb their page strides, sequence b's key rows listed by row b of BlockTable (varlen)."""
+    stride_vb their page strides, sequence b's key rows listed by row b of BlockTable (varlen), its
+    key count capped at seqlen_k (max_seqlen_k, which the table's columns cover). total_q /
+    total_k: the rows of varlen Q / K that cu_seqlens may address (tiles.sequence_span)."""
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, total_q, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
-    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
+    k_first, sequence_k = sequence_span(batch, CuSeqlensK, seqlen_k, total_k, IS_VARLEN)
+    if PAGE_SIZE > 0:  # (keys past max_seqlen_k would read past the block table's row)
+        sequence_k = tl.minimum(sequence_k, seqlen_k)
+    seqlen_k = sequence_k
     kv_head = head // GROUP_SIZE
     diag = seqlen_k - seqlen_q
     window = (window_left, window_right)
@@ -220,7 +225,7 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
 
     def launch(config, specialized):
         wrap_kernel(_attn_fwd_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, v, out, lse, *layout.cu_seqlens(), *layout.paging(k),
+            q, k, v, out, lse, *layout.cu_seqlens(q, k), *layout.paging(k),
             *layout.strides(q), *layout.kv_strides(k), *layout.kv_strides(v), *layout.strides(out),
             *layout.stat_strides(lse), *layout.seqlens(), *options.kernel_args(q),
             GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,

@@ -56,6 +56,7 @@ def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
 # H200 with the GPU test suite (benchmarks/NOTES.md, v6). Triton 3.6 miscompiles other shapes of
 # the same loop silently (v5), so an unchecked version keeps the plain pipelined loop.
 WARP_SPECIALIZATION_CHECKED = ("3.6.",)
+INT32_MAX = 2 ** 31 - 1  # (total_k of a paged cache: no row bound, SequenceLayout.cu_seqlens)
 # Options whose kernels keep the warp-specialised loop's shape (tests/test_warp_specialization.py)
 WARP_SPECIALIZABLE = SOFTCAP | ALIBI | SINKS
 
@@ -376,9 +377,14 @@ class SequenceLayout:
         stride = stats.stride()
         return (0, stride[0]) if self.is_varlen else stride[:2]
 
-    def cu_seqlens(self) -> tuple:
-        """CuSeqlensQ, CuSeqlensK kernel arguments (None for dense inputs)."""
-        return self.cu_seqlens_q, self.cu_seqlens_k
+    def cu_seqlens(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        """CuSeqlensQ, CuSeqlensK, total_q, total_k kernel arguments: the cu_seqlens (None for dense
+        inputs) and the rows of q and k they may address (``tiles.sequence_span`` clamps each
+        sequence into them; 0 when dense). A paged k has no rows to bound: its cu_seqlens counts
+        keys, which the forward kernel caps at max_seqlen_k instead."""
+        if not self.is_varlen:
+            return None, None, 0, 0
+        return self.cu_seqlens_q, self.cu_seqlens_k, q.shape[0], INT32_MAX if self.page_size else k.shape[0]
 
     def seqlens(self) -> tuple:
         """seqlen_q, seqlen_k kernel arguments: the lengths, or the longest ones for varlen."""

@@ -25,9 +25,9 @@ from .scores import LOG2E, dropout_keep, head_options, logit_unit, logits
 from .tiles import load_row_stat, load_tile, mma_over_head, sequence_span, tile_base
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_probs_kernel(
-    Q, K, Lse, Probs, CuSeqlensQ, CuSeqlensK,
+    Q, K, Lse, Probs, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_stat_b, stride_stat_h,
@@ -42,10 +42,11 @@ def _attn_probs_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    rows_out, cols_out = seqlen_q, seqlen_k  # Probs' (max_seqlen_q, max_seqlen_k) per (batch, head)
+    q_first, seqlen_q = sequence_span(batch, CuSeqlensQ, seqlen_q, total_q, IS_VARLEN)
     if start_m >= seqlen_q:
         return
-    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, IS_VARLEN)
+    k_first, seqlen_k = sequence_span(batch, CuSeqlensK, seqlen_k, total_k, IS_VARLEN)
     kv_head = head // GROUP_SIZE
     diag = seqlen_k - seqlen_q
     score, dropout, _sink = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
@@ -66,7 +67,9 @@ def _attn_probs_kernel(
         p = tl.exp2(s * logit_unit(score, VARIANT) - lse_log2[:, None])
         p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), p, p * -1.0)  # (-0.0 for 0, unlike 0 - p)
         ptrs = probs_base + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-        tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+        inside = ((offs_m < tl.minimum(seqlen_q, rows_out))[:, None]  # (a sequence longer than max_seqlen:
+                  & (offs_n < tl.minimum(seqlen_k, cols_out))[None, :])  # its rows past it are not stored)
+        tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=inside)
 
 
 def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -90,7 +93,7 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
 
     def launch(config, _specialized):
         wrap_kernel(_attn_probs_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, lse, probs, *layout.cu_seqlens(),
+            q, k, lse, probs, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.stat_strides(lse), *probs.stride()[:3],
             *layout.seqlens(), *options.kernel_args(q),
             GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,

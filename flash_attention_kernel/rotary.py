@@ -10,7 +10,9 @@ i < rotary_dim / 2, with c = cos[t, i] and s = sin[t, i] from tables of shape
 where (x1, x2) is features (i, i + rotary_dim / 2) (GPT-NeoX style) or, ``interleaved``, features
 (2i, 2i + 1) (GPT-J style). Features from rotary_dim on are copied unchanged. ``conjugate``
 rotates by -t (s -> -s): the rotation's inverse and its transpose, hence its gradient. Positions
-at or past seqlen_ro rotate by 0 (c = 1, s = 0), as flash-attn's kernel does. The arithmetic is
+at or past seqlen_ro rotate by 0 (c = 1, s = 0), as flash-attn's kernel does, and so do negative
+ones (a wrong offsets tensor); varlen sequences are clamped into x's rows (tiles.sequence_span),
+so wrong metadata never moves an access outside x, out or the tables. The arithmetic is
 fp32 whatever the input dtype; results are stored in the input's dtype, in place or to a new tensor.
 
 One program rotates BLOCK_M rows x BLOCK_H heads of one sequence, so cos/sin are read once per
@@ -24,12 +26,12 @@ import triton
 import triton.language as tl
 
 from .launch import identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
-from .tiles import load_rows, round_to
+from .tiles import load_rows, round_to, sequence_span
 
 
-@triton.jit(do_not_specialize=["seqlen", "seqlen_ro", "offset"])
+@triton.jit(do_not_specialize=["seqlen", "seqlen_ro", "offset", "total_rows"])
 def _rotary_kernel(
-    X, Out, Cos, Sin, Offsets, CuSeqlens,
+    X, Out, Cos, Sin, Offsets, CuSeqlens, total_rows,
     stride_xb, stride_xm, stride_xh,
     stride_ob, stride_om, stride_oh,
     stride_cos, stride_sin,
@@ -43,8 +45,7 @@ def _rotary_kernel(
     head_start = tl.program_id(1) * BLOCK_H
     batch = tl.program_id(2)
     if IS_VARLEN:
-        first = tl.load(CuSeqlens + batch)
-        seqlen = tl.load(CuSeqlens + batch + 1) - first
+        first, seqlen = sequence_span(batch, CuSeqlens, seqlen, total_rows, IS_VARLEN)
         x_base = X + first.to(tl.int64) * stride_xm
         out_base = Out + first.to(tl.int64) * stride_om
     else:
@@ -59,7 +60,7 @@ def _rotary_kernel(
     heads = head_start + tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, HALF_PADDED)
     positions = (rows + offset).to(tl.int64)
-    table_mask = (positions < seqlen_ro)[:, None] & (pairs < HALF)[None, :]
+    table_mask = ((positions >= 0) & (positions < seqlen_ro))[:, None] & (pairs < HALF)[None, :]
     cos = tl.load(Cos + positions[:, None] * stride_cos + pairs[None, :], mask=table_mask, other=1.0)
     sin = tl.load(Sin + positions[:, None] * stride_sin + pairs[None, :], mask=table_mask, other=0.0)
     cos = cos.to(tl.float32)[:, None, :]
@@ -122,7 +123,8 @@ def load_rotated_rows(base_ptr, row_offsets, row_mask, positions, Cos, Sin, stri
     mask = row_mask[:, None] & rotating[None, :]
     other = tl.load(base_ptr + row_offsets[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     table = (positions.to(tl.int64) * stride_cos)[:, None] + pair[None, :]
-    in_table = mask & (positions < seqlen_ro)[:, None]  # positions past the tables rotate by 0
+    in_table = mask & (positions < seqlen_ro)[:, None]  # positions past the tables rotate by 0 (never negative:
+    # the KV-cache kernel clamps cache_seqlens into [0, capacity])
     cos = tl.load(Cos + table, mask=in_table, other=1.0).to(tl.float32)
     sin = tl.load(Sin + table, mask=in_table, other=0.0).to(tl.float32)
     rotated = x.to(tl.float32) * cos + tl.where(first[None, :], -other, other) * sin
@@ -161,7 +163,7 @@ def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen: int
     grid = (triton.cdiv(seqlen, block_m), triton.cdiv(num_heads, block_h), batch)
     wrap_kernel(_rotary_kernel)[grid](
         x, out, cos, sin, seqlen_offsets if per_sequence else stand_in,
-        cu_seqlens if cu_seqlens is not None else stand_in,
+        cu_seqlens if cu_seqlens is not None else stand_in, x.shape[0] if cu_seqlens is not None else 0,
         *strides_x, *strides_out, cos.stride(0), sin.stride(0),
         seqlen, num_heads, cos.shape[0], 0 if per_sequence else int(seqlen_offsets),
         HALF=half, HALF_PADDED=triton.next_power_of_2(half), TAIL=tail,

@@ -4,7 +4,7 @@ Every tensor the kernels touch is addressed as ``base + row * row_stride + col``
 (sequence, head) slice, with the last (head) dimension contiguous. A sequence is either one batch
 entry of a dense (batch, seqlen, heads, dim) tensor or, with IS_VARLEN, the rows
 [cu_seqlens[b], cu_seqlens[b + 1]) of a packed (total_tokens, heads, dim) tensor (batch stride 0).
-Two rules keep the addressing safe:
+Three rules keep the addressing safe:
 
 * 64-bit offsets. ``program_id`` and ``arange`` are int32, so ``row * stride`` silently wraps once
   a slice or the whole tensor passes 2**31 elements. The per-(sequence, head) base and the first
@@ -12,6 +12,10 @@ Two rules keep the addressing safe:
 * Masks only where needed. ``CHECK_ROWS`` (a tile that may cross the sequence end) and a padded
   head-dim chunk (its columns pass HEAD_DIM) are compile-time facts, so tiles in the interior of
   the sequence with a power-of-two head dim compile to unmasked loads.
+* Metadata is never trusted. Every index read from a tensor (cu_seqlens, block-table entries, cache
+  lengths and rows) is clamped into the extent of the tensor it addresses before use
+  (``sequence_span``, ``load_kv_tile``), so wrong values give wrong results, never an access
+  outside a tensor (checks.py states the rule).
 
 The head dim of every tile is held as one or two power-of-two chunks (``load_tile``), so that a
 head dim like 80 or 192 costs 64 + 16 or 128 + 64 columns of work instead of 128 or 256.
@@ -22,11 +26,16 @@ import triton.language as tl
 
 
 @triton.jit
-def sequence_span(batch, cu_seqlens, seqlen, IS_VARLEN: tl.constexpr):
-    """(first row, length) of sequence ``batch``: from cu_seqlens when IS_VARLEN, else (0, seqlen)."""
+def sequence_span(batch, cu_seqlens, seqlen, total_rows, IS_VARLEN: tl.constexpr):
+    """(first row, length) of sequence ``batch``: from cu_seqlens when IS_VARLEN, else (0, seqlen).
+
+    The span is clamped into the tensor's ``total_rows`` rows (first in [0, total_rows], end in
+    [first, total_rows]), so that whatever cu_seqlens holds, no row outside the tensor is ever
+    addressed: a wrong cu_seqlens gives wrong sequences, never an access out of bounds."""
     if IS_VARLEN:
-        first = tl.load(cu_seqlens + batch)
-        return first, tl.load(cu_seqlens + batch + 1) - first
+        first = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch), 0), total_rows)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + batch + 1), first), total_rows)
+        return first, end - first
     else:
         return 0, seqlen
 

@@ -2,7 +2,7 @@
 scattered over shuffled pages of a cache give the output and lse of the same keys stored
 contiguously, within the error bar of a float64 per-sequence reference; pages and rows outside
 each sequence's keys are never read (they hold NaN here); bad tables and what paging leaves out
-(gradients, dropout) raise errors naming the argument."""
+(dropout; a backward, tests/test_bad_metadata.py) raise errors naming the argument."""
 
 import math
 
@@ -106,7 +106,6 @@ PAGED_ERRORS = {
                    r"one row per sequence \(2\)"),
     "too few pages": (dict(max_seqlen_k=17), r"max_seqlen_k \(17\) is longer than block_table's 1 pages of 16"),
     "dropout": (dict(dropout_p=0.1), r"dropout_p must be 0"),
-    "gradients": (dict(q=torch.randn(8, 2, 32, device=DEVICE, requires_grad=True)), r"no gradients"),
 }
 
 
@@ -126,5 +125,3 @@ def test_paged_debug_check(fa, monkeypatch):
     monkeypatch.setenv("FLASH_ATTENTION_CHECK_INPUTS", "1")
     with pytest.raises(ValueError, match=r"block_table row 1 lists pages outside the cache's 4"):
         _paged_call(fa, block_table=table)
-    with torch.no_grad():
-        _paged_call(fa, q=torch.randn(8, 2, 32, device=DEVICE, requires_grad=True))  # inference: allowed

@@ -1,12 +1,30 @@
 """Argument checks for the public functions, and the validated AttentionOptions of a call.
 
 Each check raises an exception that names the argument and what is allowed. They run on host
-metadata only (shapes, dtypes, devices), so they cost no device synchronisation, with one
-exception: the values inside cu_seqlens (starting at 0, non-decreasing, ending at the token
-count, no sequence longer than max_seqlen) can only be read with a device-to-host copy. Those are
-checked only when the environment variable FLASH_ATTENTION_CHECK_INPUTS=1 is set (a debug switch,
-read on every call); without it, a wrong cu_seqlens or a too small max_seqlen gives wrong results,
-as in flash-attn.
+metadata only (shapes, dtypes, devices), so they cost no device synchronisation: every
+inconsistency visible there raises at once (a cu_seqlens of one entry beside tokens, a
+block_table without columns, an index tensor of the wrong dtype, rank or device...).
+
+The values inside the metadata tensors can only be read with a device-to-host copy, which would
+stall every call. They are checked only when the environment variable
+FLASH_ATTENTION_CHECK_INPUTS=1 is set (a debug switch, read on every call): cu_seqlens starting at
+0, non-decreasing and ending at the token count, max_seqlen at least each length, cache_seqlens
+(+ the new keys) within the cache, cache_batch_idx, cache_leftpad and block_table entries inside
+what they index, rotary seqlen_offsets non-negative; each failure names the argument.
+
+Without the switch, wrong values are contained, never an access outside a tensor: the kernels
+clamp every index they read from metadata into the tensor it addresses (a few integer min/max per
+program, flash_attention_kernel/tiles.py). What such a call returns is then unspecified but
+bounded:
+
+* a sequence's rows [cu_seqlens[b], cu_seqlens[b + 1]) are clamped into [0, total tokens] (end
+  >= start), and rows no program covers (outside every clamped sequence, or past max_seqlen) are
+  left as allocated: their output, lse and gradients hold whatever the fresh buffers held;
+* cache_seqlens is clamped into [0, cache capacity] and new keys past the capacity are dropped
+  (never written); cache_batch_idx, cache_leftpad and block_table entries are clamped into the
+  cache (wrong rows or pages are read, not memory outside the cache); a paged sequence's key
+  count is capped at max_seqlen_k;
+* rotary positions outside the cos/sin tables (negative offsets included) rotate by 0.
 """
 
 import functools
@@ -98,8 +116,9 @@ def _max_seqlen(name: str, value) -> int:
     return value
 
 
-def _check_cu_seqlens(name: str, cu, x_name: str, x: torch.Tensor) -> None:
-    """An int32 (batch + 1,) tensor of sequence starts on the device of ``x``."""
+def _check_cu_seqlens(name: str, cu, x_name: str, x: torch.Tensor, tokens: Optional[int]) -> None:
+    """An int32 (batch + 1,) tensor of sequence starts on the device of ``x``, with at least one
+    sequence where ``x_name`` holds ``tokens`` > 0 tokens (None: tokens not counted in rows)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -108,13 +127,16 @@ def _check_cu_seqlens(name: str, cu, x_name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be one-dimensional with batch + 1 entries, got shape {tuple(cu.shape)}")
     if cu.device != x.device:
         raise ValueError(f"{name} must be on the same device as {x_name} ({x.device}), got {cu.device}")
+    if cu.numel() == 1 and tokens:
+        raise ValueError(f"{name} has a single entry (a batch of 0 sequences), but {x_name} has {tokens} tokens: it "
+                         f"must have batch + 1 entries, from 0 to the token count")
 
 
 def check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, paged: bool = False) -> tuple[int, int]:
     """cu_seqlens_q/k and max_seqlen_q/k for q (total_q, ...), k (total_k, ...), or a paged k
     (whose cu_seqlens_k gives key counts, not rows of k); returns the max_seqlens."""
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "q", q)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "q", q)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "q", q, q.shape[0])
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "k", q, None if paged else k.shape[0])
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries, got {cu_seqlens_q.numel()} "
@@ -232,8 +254,9 @@ def check_paged_kv(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                    dropout_p) -> tuple[int, int]:
     """A varlen call whose k and v are paged caches listed by block_table (batch, max_blocks):
     the caches against q, the table against the caches and the batch, and what paging leaves out
-    (gradients, dropout); returns the max_seqlens. The table's entries are read (a device-to-host
-    copy) only with FLASH_ATTENTION_CHECK_INPUTS=1; the kernel clamps them into the cache."""
+    (dropout; gradients are refused at backward time, torch_ops.py); returns the max_seqlens. The
+    table's entries are read (a device-to-host copy) only with FLASH_ATTENTION_CHECK_INPUTS=1; the
+    kernel clamps them into the cache."""
     check_qkv(q, k_cache, v_cache, "(total_tokens, nheads, headdim)", heads_axis=1, dense=False, kv_layout=PAGED)
     max_seqlen_q, max_seqlen_k = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k_cache,
                                               paged=True)
@@ -243,9 +266,6 @@ def check_paged_kv(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                          f"{page_size} keys hold")
     if dropout_p != 0:
         raise ValueError("block_table (a paged KV cache) serves inference: dropout_p must be 0")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k_cache, v_cache)):
-        raise ValueError("block_table (a paged KV cache) serves inference: no gradients; call under torch.no_grad() "
-                         "or pass tensors that do not require grad")
     if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
         check_table_entries(block_table, (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist(), k_cache)
     return max_seqlen_q, max_seqlen_k
@@ -265,6 +285,9 @@ def check_block_table(block_table, k_cache, batch: int, q, cache_names: str) -> 
         raise ValueError(f"block_table must be on q's device ({q.device}), got {block_table.device}")
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table must have one row per sequence ({batch}), got shape {tuple(block_table.shape)}")
+    if block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have at least one column (page) per sequence, got shape "
+                         f"{tuple(block_table.shape)}")
     if block_table.stride(-1) != 1:
         raise ValueError("block_table must have a contiguous last dim")
     return page_size
@@ -302,10 +325,12 @@ def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: b
     if inplace and x.stride(-1) != 1:
         raise ValueError("x must have a contiguous last dim (stride 1) to be rotated in place")
     if varlen:
-        _check_cu_seqlens("cu_seqlens", cu_seqlens, "x", x)
+        _check_cu_seqlens("cu_seqlens", cu_seqlens, "x", x, x.shape[0])
         if max_seqlen is None:
             raise ValueError("max_seqlen is required with cu_seqlens")
         seqlen, batch = _max_seqlen("max_seqlen", max_seqlen), cu_seqlens.numel() - 1
+        if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
+            _check_cu_seqlens_values("cu_seqlens", cu_seqlens.tolist(), x.shape[0], "max_seqlen", seqlen)
     else:
         seqlen, batch = x.shape[1], x.shape[0]
     seqlen_ro = cos.shape[0]
@@ -315,6 +340,8 @@ def check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace: b
                              f"got dtype {seqlen_offsets.dtype} and shape {tuple(seqlen_offsets.shape)}")
         if seqlen_offsets.device != x.device:
             raise ValueError(f"seqlen_offsets must be on x's device ({x.device}), got {seqlen_offsets.device}")
+        if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1" and batch and seqlen_offsets.min().item() < 0:
+            raise ValueError(f"seqlen_offsets must be non-negative, got {seqlen_offsets.tolist()}")
         if seqlen > seqlen_ro:
             raise ValueError(f"cos/sin have {seqlen_ro} positions, fewer than the sequence length {seqlen}")
     else:

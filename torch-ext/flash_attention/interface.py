@@ -136,8 +136,9 @@ def flash_attn_varlen_func(
     (batch + 1,); max_seqlen_q/k: the longest sequence (an int; a 0-d tensor is accepted).
     block_table (int32 (batch, max_num_blocks_per_seq)): k and v are paged caches
     (num_blocks, page_size, nheads_k, headdim), page_size a multiple of 16, sequence b's key j at
-    k[block_table[b, j // page_size], j % page_size], cu_seqlens_k counting keys (inference: no
-    gradients, no dropout)."""
+    k[block_table[b, j // page_size], j % page_size], cu_seqlens_k counting keys (no dropout; the
+    forward runs on tensors that require grad, but a backward through it raises, as flash-attn
+    has no paged backward)."""
     if block_table is not None:
         max_seqlens = check_paged_kv(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      dropout_p)

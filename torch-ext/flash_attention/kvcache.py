@@ -17,9 +17,11 @@ sequences still fill the GPU; decode.num_splits_heuristic documents the rule), 1
 n > 1 splits into n. Each count is bitwise repeatable. Returns out like q, and with
 ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) fp32. Inference only: no gradients.
 
-Cache positions past the cache's capacity are never written or read: a too large tensor
-cache_seqlens is bounded on the device (the new rows past the end are dropped). Its values, like
-cache_batch_idx's and block_table's, are read on the host only under FLASH_ATTENTION_CHECK_INPUTS=1.
+The values of the index tensors (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are
+read on the host only under FLASH_ATTENTION_CHECK_INPUTS=1, which refuses wrong ones naming the
+argument. Without it the kernel keeps wrong values inside the cache (checks.py states the rule): a
+tensor cache_seqlens is clamped into [0, capacity] and new rows past the capacity are dropped,
+cache_batch_idx, cache_leftpad and block_table entries are clamped into what they index.
 """
 
 import os
@@ -195,20 +197,28 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         raise ValueError("flash_attn_with_kvcache serves inference and has no backward: call it under "
                          "torch.no_grad(), or pass tensors that do not require grad")
     if os.environ.get(DEBUG_CHECKS_ENV, "0") == "1":
-        _check_values(k_cache, cache_seqlens, cache_batch_idx, block_table, seqlen_new, capacity)
+        _check_values(k_cache, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table, seqlen_new,
+                      capacity)
     return cache_seqlens, cache_seqlen
 
 
-def _check_values(k_cache, cache_seqlens, cache_batch_idx, block_table, seqlen_new: int, capacity: int) -> None:
+def _check_values(k_cache, cache_seqlens, cache_seqlen: int, cache_batch_idx, cache_leftpad, block_table,
+                  seqlen_new: int, capacity: int) -> None:
     """FLASH_ATTENTION_CHECK_INPUTS=1: the index tensors' values (device-to-host copies)."""
     entries = k_cache.shape[0]
     if cache_seqlens is not None:
         lengths = [length + seqlen_new for length in cache_seqlens.tolist()]
-        if min(lengths) < seqlen_new or max(lengths) > capacity:
-            raise ValueError(f"cache_seqlens ({cache_seqlens.tolist()}) + the {seqlen_new} new keys must stay within "
-                             f"the cache's {capacity} keys per sequence")
+        if lengths and (min(lengths) < seqlen_new or max(lengths) > capacity):
+            raise ValueError(f"cache_seqlens ({cache_seqlens.tolist()}) must be >= 0, and with the {seqlen_new} new "
+                             f"keys stay within the cache's {capacity} keys per sequence")
+    else:
+        lengths = [min(cache_seqlen + seqlen_new, capacity)] * (block_table.shape[0] if block_table is not None else 0)
     if cache_batch_idx is not None and any(not 0 <= row < entries for row in cache_batch_idx.tolist()):
         raise ValueError(f"cache_batch_idx lists rows outside the cache's {entries}: {cache_batch_idx.tolist()}")
+    if cache_leftpad is not None:
+        pads = cache_leftpad.tolist()
+        ends = lengths if cache_seqlens is not None else [cache_seqlen + seqlen_new] * len(pads)
+        if any(not 0 <= pad <= end for pad, end in zip(pads, ends)):
+            raise ValueError(f"cache_leftpad ({pads}) must lie in [0, cache_seqlens + the new keys] ({ends})")
     if block_table is not None:
-        check_table_entries(block_table, lengths if cache_seqlens is not None else [capacity] * block_table.shape[0],
-                            k_cache)
+        check_table_entries(block_table, lengths, k_cache)

@@ -161,8 +161,10 @@ _SAVED_AFTER_INPUTS = 2 + 2 + len(AttentionOptions.TENSORS)  # out, lse, cu_seql
 def _setup_context(ctx, inputs, output):
     tensors, trailing = inputs[:-NUM_TRAILING], inputs[-NUM_TRAILING:]
     (cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table), options = _split(trailing)
-    ctx.save_for_backward(*tensors, *output, cu_seqlens_q, cu_seqlens_k, *options.tensors())
-    ctx.max_seqlens = max_seqlens  # (block_table: forward only, the public functions refuse gradients)
+    ctx.paged = block_table is not None  # forward only: the backward refuses (_autograd_formula), so nothing is saved
+    if not ctx.paged:
+        ctx.save_for_backward(*tensors, *output, cu_seqlens_q, cu_seqlens_k, *options.tensors())
+    ctx.max_seqlens = max_seqlens
     ctx.options = options.with_tensors([None] * len(AttentionOptions.TENSORS))  # (the tensors are saved above)
     # Unused outputs (typically softmax_lse) then get None instead of a zero tensor to read.
     ctx.set_materialize_grads(False)
@@ -172,6 +174,11 @@ def _autograd_formula(backward_op):
     """The backward of a forward op, as register_autograd and _EagerAttention take it."""
 
     def backward(ctx, dout, dlse):
+        if ctx.paged:
+            raise NotImplementedError(
+                "flash_attention: no backward through flash_attn_varlen_func with block_table (a paged KV cache), "
+                "as in flash-attn 2.8: its forward runs on tensors that require grad, but a gradient of q, k or v "
+                "through it cannot be computed; use contiguous k and v (no block_table) to train")
         saved = ctx.saved_tensors
         tensors, (out, softmax_lse, cu_seqlens_q, cu_seqlens_k, *option_tensors) = (
             saved[:-_SAVED_AFTER_INPUTS], saved[-_SAVED_AFTER_INPUTS:])
