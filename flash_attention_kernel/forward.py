@@ -47,13 +47,35 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, FIXED_PIVOT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start,
+    DROPOUT, FIXED_PIVOT, FP32_EXACT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start,
     row_start,
 )
 from .tiles import kv_sources, load_kv_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, \
     sequence_span, slice_descriptors, store_tile, tile_base
 
 LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def reciprocal(row_sum, VARIANT: tl.constexpr):
+    """1 / row_sum, which normalises a row's output: under FP32_EXACT by IEEE division (div.rn,
+    half an ulp); else the compiled default, div.full.f32 (2 ulp), far below a 2-byte output's
+    rounding."""
+    if FP32_EXACT & VARIANT:
+        return tl.math.div_rn(1.0, row_sum)
+    else:
+        return 1.0 / row_sum
+
+
+@triton.jit
+def row_lse(row_max, row_sum, VARIANT: tl.constexpr):
+    """Natural-log logsumexp (row_max + log2(row_sum)) * ln 2 of rows with row_sum > 0: under
+    FP32_EXACT with the large part's product inside one fused multiply-add, one rounding fewer
+    (the backward's probabilities inherit the stored lse's error, scores.lse_log2_parts)."""
+    if FP32_EXACT & VARIANT:
+        return tl.fma(row_max, LN2, tl.log2(row_sum) * LN2)
+    else:
+        return (row_max + tl.log2(row_sum)) * LN2
 
 
 @triton.jit
@@ -173,13 +195,13 @@ def _attn_fwd_kernel(
         )
 
     empty_row = row_sum == 0.0
-    inv_sum = 1.0 / tl.where(empty_row, 1.0, row_sum)
+    inv_sum = reciprocal(tl.where(empty_row, 1.0, row_sum), VARIANT)
     if DROPOUT & VARIANT:
         inv_sum = inv_sum * dropout_scale
     o_base = tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om)
     store_tile(o_base, acc_a * inv_sum[:, None], acc_b * inv_sum[:, None], start_m, stride_om, seqlen_q, BLOCK_M,
                HEAD_DIM, DIM_A, DIM_B, PRECISION)
-    lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(tl.where(empty_row, 1.0, row_sum))) * LN2)
+    lse = tl.where(empty_row, float("inf"), row_lse(row_max, tl.where(empty_row, 1.0, row_sum), VARIANT))
     lse_base = tile_base(Lse, batch, head, q_first, stride_lse_b, stride_lse_h, 1)
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 

@@ -15,7 +15,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import (MIN_CAPABILITY, GpuClass, TileConfig, gpu_class, head_dim_chunks, smaller_config, tile_config,
                       warp_specialized_config)
-from .options import ALIBI, DROPOUT, FIXED_PIVOT, LOG2E, SINKS, SOFTCAP, TANH_APPROX, WIDE_PRODUCTS, AttentionOptions
+from .options import (
+    ALIBI, DROPOUT, FIXED_PIVOT, FP32_EXACT, LOG2E, SINKS, SOFTCAP, TANH_APPROX, WIDE_PRODUCTS, AttentionOptions,
+)
 
 
 def identity_wrap(kernel):
@@ -290,8 +292,11 @@ def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: b
     * FIXED_PIVOT where every logit is bounded (no ALiBi or sinks), P is not fp16 and the softcap
       is at most FIXED_PIVOT_MAX_LOG2 / log2(e) (about 52.7; Gemma 2 uses 50).
     * WIDE_PRODUCTS where dropout runs compiled in the ``forward`` kernel: Philox's products by
-      inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (NOTES v21)."""
+      inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (NOTES v21).
+    * FP32_EXACT for fp32 inputs: the forms that keep fp32 within PyTorch's own error (issue 39)."""
     variant = options.variant
+    if dtype == torch.float32:
+        variant |= FP32_EXACT
     if variant & DROPOUT and forward and not interpreted:
         variant |= WIDE_PRODUCTS
     if options.softcap > 0:

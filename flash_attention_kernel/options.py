@@ -41,6 +41,7 @@ MAX_WINDOW = 2 ** 30
 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX, FIXED_PIVOT = 1, 2, 4, 8, 16, 32, 64, 128
 WIDE_PRODUCTS = 256
 SCORES_AHEAD = 512  # the Gluon forward's schedule for dropout (hopper_forward)
+FP32_EXACT = 1024  # fp32 inputs: the exact forms of scores.py (launch.kernel_variant)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,12 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
 * WIDE_PRODUCTS: Philox's 32 x 32-bit products through mul.wide.u32, one instruction for both
   halves where mul.hi and mul.lo take two (the compiled forward with dropout; elsewhere, and on
   the interpreter, tl.philox draws the same bits).
+* FP32_EXACT: fp32 inputs. The logits, probabilities, row sums and logsumexps are formed so that
+  their error stays at that of PyTorch's fp32 attention (the 2-byte paths round P to 16 bits
+  anyway and keep the cheaper forms): the softcap's tanh without cancellation near 0 and its
+  derivative from exp(-2|x|) instead of 1 - tanh^2 (``_tanh_exact``); the backward's base-2
+  logsumexp from the stored natural one without an extra rounding (``lse_log2_parts``); IEEE
+  divisions (div.rn) where the compiled default is div.full.f32 (2 ulp).
 * FIXED_PIVOT: a softcap bounds every logit to [-softcap, softcap], so the forward subtracts a
   constant (``row_start``) instead of the running row max: no max, no rescaling of the
   accumulator. The launcher sets it where the bound keeps every exp2 in fp32's and bf16's normal
@@ -46,8 +52,15 @@ TANH_APPROX = tl.constexpr(64)  # the softcap's tanh through the GPU's tanh.appr
 FIXED_PIVOT = tl.constexpr(128)  # (and its headroom) launch.kernel_variant
 WIDE_PRODUCTS = tl.constexpr(256)  # Philox's products by mul.wide.u32 (launch.kernel_variant)
 PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2^32
+FP32_EXACT = tl.constexpr(1024)  # fp32 inputs (launch.kernel_variant); 512 is options.SCORES_AHEAD
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E_LO = tl.constexpr(1.92596298909109e-08)  # log2(e) - fp32(log2(e)): what the fp32 constant misses
+# tanh x = x (1 + x^2 (c1 + x^2 (c2 + ...))) on |x| < TANH_SERIES_BOUND: Taylor coefficients, the first
+# term left out below 2^-32 relative at the bound (FP32_EXACT, ``_tanh_exact``)
+TANH_SERIES_BOUND = tl.constexpr(0.25)
+TANH_C1, TANH_C2, TANH_C3 = tl.constexpr(-1.0 / 3.0), tl.constexpr(2.0 / 15.0), tl.constexpr(-17.0 / 315.0)
+TANH_C4, TANH_C5 = tl.constexpr(62.0 / 2835.0), tl.constexpr(-1382.0 / 155925.0)
 
 # Philox-4x32 as tl.philox runs it: its round multipliers and key increments, 7 rounds
 # (dropout_keep; hopper_dropout's Gluon copy of the rounds takes the same names)
@@ -137,9 +150,9 @@ def visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT: tl.constexpr):
 
 @triton.jit
 def _tanh(x, VARIANT: tl.constexpr):
-    """tanh: with TANH_APPROX the GPU's tanh.approx.f32 (one special-function op, relative error
-    2^-11, flash-attn's choice for 2-byte inputs); else from exp2 (the interpreter has neither
-    libdevice nor PTX): (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor
+    """tanh of 2-byte inputs (fp32 ones take ``_tanh_exact``): with TANH_APPROX the GPU's
+    tanh.approx.f32 (one special-function op, relative error 2^-11, flash-attn's choice for
+    2-byte inputs); else from exp2 (the interpreter has neither libdevice nor PTX): (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor
     loses the sign, accurate to a few fp32 ulps."""
     if TANH_APPROX & VARIANT:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
@@ -148,6 +161,59 @@ def _tanh(x, VARIANT: tl.constexpr):
         e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
         t = tl.fdiv(1.0 - e, 1.0 + e)
         return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _tanh_exact(x):
+    """(tanh x, tanh' x = 1 - tanh^2 x) to a few fp32 ulps each (FP32_EXACT).
+
+    ``_tanh``'s (1 - e) / (1 + e) loses the relative precision of e = exp(-2|x|) in 1 - e when
+    |x| is small: an absolute error of about 2^-23 there, which softcap * tanh turns into a logit
+    error of softcap * 2^-23 (PyTorch's is |logit| * 2^-24). Below TANH_SERIES_BOUND the odd
+    Taylor series is used instead; above it 1 - e >= 0.39 keeps e's relative error. The
+    derivative 4 e / (1 + e)^2 has e's relative error everywhere, where 1 - t^2 from a rounded t
+    cancels as the tanh saturates (|x| of a few units: most scores of a softcapped model)."""
+    a = tl.abs(x)
+    e = tl.exp2(a * (-2.0 * LOG2E))
+    x2 = x * x
+    series = a + a * x2 * (TANH_C1 + x2 * (TANH_C2 + x2 * (TANH_C3 + x2 * (TANH_C4 + x2 * TANH_C5))))
+    t = tl.where(a < TANH_SERIES_BOUND, series, tl.math.div_rn(1.0 - e, 1.0 + e))
+    one_plus_e = 1.0 + e
+    return tl.where(x < 0, -t, t), tl.math.div_rn(4.0 * e, one_plus_e * one_plus_e)
+
+
+@triton.jit
+def lse_log2_parts(lse, VARIANT: tl.constexpr):
+    """A row's natural-log logsumexp (as the forward stores it) in base 2, for
+    ``probabilities``: (hi, lo) with hi + lo = lse * log2(e) to well under an ulp of hi under
+    FP32_EXACT (hi = the rounded product, lo its rounding error and the fp32 constant's, so that
+    the stored lse's own rounding is the only one left), else (hi, 0.0)."""
+    hi = lse * LOG2E
+    if FP32_EXACT & VARIANT:  # (rows with no key: lse = +inf, P = 0 from hi alone; inf - inf would be NaN)
+        return hi, tl.where(hi == float("inf"), 0.0, tl.fma(lse, LOG2E, -hi) + lse * LOG2E_LO)
+    else:
+        return hi, 0.0
+
+
+@triton.jit
+def probabilities(s, unit, lse_parts, QUERY_ROWS: tl.constexpr, VARIANT: tl.constexpr):
+    """P = exp2(s * unit - lse) from ``logits``' s and ``lse_log2_parts`` of its queries, which
+    are the tile's rows with QUERY_ROWS, else its columns. Under FP32_EXACT the low part is
+    subtracted after the difference with the high part, which is small where P matters, so no
+    bit of it is lost."""
+    hi, lo = lse_parts
+    if QUERY_ROWS:
+        hi = hi[:, None]
+    else:
+        hi = hi[None, :]
+    if FP32_EXACT & VARIANT:
+        if QUERY_ROWS:
+            lo = lo[:, None]
+        else:
+            lo = lo[None, :]
+        return tl.exp2((s * unit - hi) - lo)
+    else:
+        return tl.exp2(s * unit - hi)
 
 
 @triton.jit
@@ -171,9 +237,12 @@ def logits(qk, q_idx, k_idx, seqlen_k, diag, window, score, MASKED: tl.constexpr
     softmax_scale * log2(e); with it, softmax_scale / softcap, and the capped logit is
     softcap_log2 * tanh(qk * scale), returned as the tanh alone unless ALiBi's bias must be added
     to it. ALiBi's distance is formed in fp32 from the fp32 row and column indices, exact below
-    2^24, so each element costs a subtraction and a multiply-add."""
+    2^24, so each element costs a subtraction and a multiply-add. Under FP32_EXACT the second
+    result is tanh' itself (``_tanh_exact``)."""
     scale, softcap_log2, alibi_slope_log2 = score
-    if SOFTCAP & VARIANT:
+    if (SOFTCAP & VARIANT) and (FP32_EXACT & VARIANT):
+        s, capped = _tanh_exact(qk * scale)
+    elif SOFTCAP & VARIANT:
         capped = _tanh(qk * scale, VARIANT)
         s = capped
     else:
@@ -194,8 +263,11 @@ def logits_grad(x, capped, VARIANT: tl.constexpr):
     """``x`` times the derivative of the logits with respect to q.k * softmax_scale: the softcap's
     tanh' = 1 - tanh^2, else 1. The gradient of the scores is P * tanh' * (dP - delta); the dQ
     kernel applies this to P as soon as it exists, so that the tanh does not stay in registers
-    while dP is computed (the scale is applied by the caller)."""
-    if SOFTCAP & VARIANT:
+    while dP is computed (the scale is applied by the caller). Under FP32_EXACT ``capped`` is
+    tanh' already."""
+    if (SOFTCAP & VARIANT) and (FP32_EXACT & VARIANT):
+        return x * capped
+    elif SOFTCAP & VARIANT:
         return x * (1.0 - capped * capped)
     else:
         return x
