@@ -18,19 +18,25 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
 * WIDE_PRODUCTS: Philox's 32 x 32-bit products through mul.wide.u32, one instruction for both
   halves where mul.hi and mul.lo take two (the compiled forward with dropout; elsewhere, and on
   the interpreter, tl.philox draws the same bits).
-* FP32_EXACT: fp32 inputs. The logits, probabilities, row sums and logsumexps are formed so that
-  their error stays at that of PyTorch's fp32 attention (the 2-byte paths round P to 16 bits
-  anyway and keep the cheaper forms): the softcap's tanh without cancellation near 0 and its
-  derivative from exp(-2|x|) instead of 1 - tanh^2 (``_tanh_exact``); the backward's base-2
-  logsumexp from the stored natural one without an extra rounding (``lse_log2_parts``); IEEE
-  divisions (div.rn) where the compiled default is div.full.f32 (2 ulp).
+* FP32_EXACT: fp32 inputs, whose error must stay at that of PyTorch's fp32 attention (the 2-byte
+  paths round P to 16 bits anyway and keep the cheaper forms). Logits, row maxima, sinks, ALiBi
+  slopes, the softcap and the logsumexp stay in natural units (options.kernel_args passes the
+  scale and the softcap unscaled), and only a difference of logits is turned into base 2, by
+  ``exp_logits``: the product by log2(e), and its fp32 rounding, then scale |s - max| instead of
+  |s| and |max| separately (the rounded constants fl(scale * log2 e) and fl(softcap * log2 e)
+  would also shift every logit of a call the same way, which PyTorch's exact scales do not). The
+  backward reads the stored natural lse as it is, with no conversion to base 2. Also: the
+  softcap's tanh without cancellation near 0 and its derivative from exp(-2|x|) instead of
+  1 - tanh^2 (``_tanh_exact``), and IEEE divisions (div.rn) where the compiled default is
+  div.full.f32 (2 ulp). FIXED_PIVOT is off (its headroom is counted in base 2).
 * FIXED_PIVOT: a softcap bounds every logit to [-softcap, softcap], so the forward subtracts a
   constant (``row_start``) instead of the running row max: no max, no rescaling of the
   accumulator. The launcher sets it where the bound keeps every exp2 in fp32's and bf16's normal
   range (no ALiBi or sinks, which are unbounded; no fp16 P).
 
-Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2, and in units of
-``logit_unit`` (the softcap's scale where the tanh is returned unscaled, else 1).
+Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2 (natural units under
+FP32_EXACT), and in units of ``logit_unit`` (the softcap's scale where the tanh is returned
+unscaled, else 1).
 
 Tile ranges. A program that owns a block of rows streams tiles of the other side in three ranges:
 [lo, full_lo) tiles crossing the lower band edge (masked), [full_lo, full_hi) tiles every row of
@@ -55,7 +61,6 @@ PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2
 FP32_EXACT = tl.constexpr(1024)  # fp32 inputs (launch.kernel_variant); 512 is options.SCORES_AHEAD
 
 LOG2E = tl.constexpr(1.4426950408889634)
-LOG2E_LO = tl.constexpr(1.92596298909109e-08)  # log2(e) - fp32(log2(e)): what the fp32 constant misses
 # tanh x = x (1 + x^2 (c1 + x^2 (c2 + ...))) on |x| < TANH_SERIES_BOUND: Taylor coefficients, the first
 # term left out below 2^-32 relative at the bound (FP32_EXACT, ``_tanh_exact``)
 TANH_SERIES_BOUND = tl.constexpr(0.25)
@@ -183,37 +188,23 @@ def _tanh_exact(x):
 
 
 @triton.jit
-def lse_log2_parts(lse, VARIANT: tl.constexpr):
-    """A row's natural-log logsumexp (as the forward stores it) in base 2, for
-    ``probabilities``: (hi, lo) with hi + lo = lse * log2(e) to well under an ulp of hi under
-    FP32_EXACT (hi = the rounded product, lo its rounding error and the fp32 constant's, so that
-    the stored lse's own rounding is the only one left), else (hi, 0.0)."""
-    hi = lse * LOG2E
-    if FP32_EXACT & VARIANT:  # (rows with no key: lse = +inf, P = 0 from hi alone; inf - inf would be NaN)
-        return hi, tl.where(hi == float("inf"), 0.0, tl.fma(lse, LOG2E, -hi) + lse * LOG2E_LO)
+def logit_units(x, VARIANT: tl.constexpr):
+    """A natural-log quantity (an ALiBi slope, a sink, the stored logsumexp) in the kernels' logit
+    units: times log2(e), or as it is under FP32_EXACT."""
+    if FP32_EXACT & VARIANT:
+        return x
     else:
-        return hi, 0.0
+        return x * LOG2E
 
 
 @triton.jit
-def probabilities(s, unit, lse_parts, QUERY_ROWS: tl.constexpr, VARIANT: tl.constexpr):
-    """P = exp2(s * unit - lse) from ``logits``' s and ``lse_log2_parts`` of its queries, which
-    are the tile's rows with QUERY_ROWS, else its columns. Under FP32_EXACT the low part is
-    subtracted after the difference with the high part, which is small where P matters, so no
-    bit of it is lost."""
-    hi, lo = lse_parts
-    if QUERY_ROWS:
-        hi = hi[:, None]
-    else:
-        hi = hi[None, :]
+def exp_logits(x, VARIANT: tl.constexpr):
+    """exp of a difference of logits in the kernels' units (a probability, a rescaling factor):
+    exp2(x), or exp2(x * log2(e)) under FP32_EXACT, where x is natural."""
     if FP32_EXACT & VARIANT:
-        if QUERY_ROWS:
-            lo = lo[:, None]
-        else:
-            lo = lo[None, :]
-        return tl.exp2((s * unit - hi) - lo)
+        return tl.exp2(x * LOG2E)
     else:
-        return tl.exp2(s * unit - hi)
+        return tl.exp2(x)
 
 
 @triton.jit
@@ -233,7 +224,8 @@ def logits(qk, q_idx, k_idx, seqlen_k, diag, window, score, MASKED: tl.constexpr
     MASKED and invisible, and the tanh of the softcap (for ``logits_grad``; unused without
     SOFTCAP).
 
-    ``score`` = (scale, softcap_log2, alibi_slope_log2): without SOFTCAP, scale is
+    ``score`` = (scale, softcap_log2, alibi_slope_log2) (natural units under FP32_EXACT: no
+    log2(e) in any of them): without SOFTCAP, scale is
     softmax_scale * log2(e); with it, softmax_scale / softcap, and the capped logit is
     softcap_log2 * tanh(qk * scale), returned as the tanh alone unless ALiBi's bias must be added
     to it. ALiBi's distance is formed in fp32 from the fp32 row and column indices, exact below
@@ -435,9 +427,9 @@ def head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, soft
     seed = 0
     offset = 0
     if ALIBI & VARIANT:
-        slope_log2 = tl.load(AlibiSlopes + batch.to(tl.int64) * stride_alibi_b + head) * LOG2E
+        slope_log2 = logit_units(tl.load(AlibiSlopes + batch.to(tl.int64) * stride_alibi_b + head), VARIANT)
     if SINKS & VARIANT:
-        sink_log2 = tl.load(Sinks + head).to(tl.float32) * LOG2E
+        sink_log2 = logit_units(tl.load(Sinks + head).to(tl.float32), VARIANT)
     if DROPOUT & VARIANT:
         seed = tl.load(RngState)
         offset = (tl.load(RngState + 1) & 0xFFFFFFFF).to(tl.uint32)

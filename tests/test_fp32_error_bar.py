@@ -1,7 +1,8 @@
 """fp32 within flash-attn's error bar with every option (issue 39, item 3).
 
-fp32 inputs run the kernels' FP32_EXACT forms (scores.py): the softcap's tanh and its derivative
-without cancellation, the backward's base-2 logsumexp without an extra rounding, IEEE divisions.
+fp32 inputs run the kernels' FP32_EXACT forms (scores.py): logits, maxima and the logsumexp in
+natural units, only differences of logits scaled by log2(e); the softcap's tanh and its derivative
+without cancellation; IEEE divisions. ``test_exact_tanh_forms`` checks the tanh forms alone.
 Each case holds every fp32 result to the bar of reference.py against the float64 truth: out and
 softmax_lse within 2x PyTorch's own fp32 error, dq, dk, dv and the sinks' gradient within 3x
 (the sinks' bar also counting the floor of reading back the fp32 output, as test_variants.py).
