@@ -13,17 +13,19 @@ truth and the PyTorch attention are tests/reference.py's.
 Options: plain, causal, window, softcap (q scaled by the softcap so that most scores saturate, as
 flash-attn's tests do), ALiBi, sinks, ALiBi + sinks, dropout (the reference rebuilt from the keep
 mask returned in S_dmask), a ragged varlen batch with a softcap, and flash_attn_with_kvcache
-(forward only) with rotary + cache_batch_idx + causal, and paged + rotary. Head dims 64, 128, 256,
-59; GQA ratios 1 and 8.
+(forward only) with rotary + cache_batch_idx + causal, and paged + rotary. Each option runs at
+(head dim, GQA ratio) (64, 1), (128, 8), (256, 8), (256, 1) and (59, 8) by default; --head-dims
+and --ratios run their full product instead.
 
 Prints one row per case and then, per dtype and tensor, the median, p99 and max ratio (and the
-worst case), and writes the same text to $OUT/fp32_report.txt when $OUT is set (rewritten after
-every case, so a run cut short leaves what it measured).
+worst case), and writes the same text to $OUT/fp32_report.txt (--report-name) when $OUT is set
+(rewritten after every case, so a run cut short leaves what it measured).
 
-Usage, on a GPU, from the repository root (the package is built from the source tree into a
-temporary folder and loaded with kernels.get_local_kernel, as the tests do):
+Usage, on a GPU, from the repository root (the package is built from the source tree, or from
+--repo DIR, another checkout, into a temporary folder and loaded with kernels.get_local_kernel, as
+the tests do):
   python3 scripts/fp32_error_report.py [--dtypes fp32 bf16] [--options softcap alibi_sinks ...]
-      [--head-dims 64 128 256 59] [--ratios 1 8] [--seqlens 1023 1024] [--seed 0]
+      [--head-dims 64 128 256 59 --ratios 1 8] [--seqlens 1023 1024] [--seed 0] [--repo DIR]
 """
 
 import argparse
@@ -59,6 +61,7 @@ DENSE_OPTIONS = {
 }
 OTHER_OPTIONS = ("varlen_softcap", "varlen_alibi_sinks", "kv_rotary_batch_idx", "kv_paged_rotary")
 ALL_OPTIONS = tuple(DENSE_OPTIONS) + OTHER_OPTIONS
+DEFAULT_SHAPES = ((64, 1), (128, 8), (256, 8), (256, 1), (59, 8))  # (head dim, GQA ratio)
 HEADS_Q = 8
 VARLEN_LENS = ([1023, 2049, 1, 511, 700], [1024, 2049, 5, 300, 700])
 KV = dict(seqlens=[1500, 2040, 3, 700], capacity=2112, batch_idx=[3, 0, 5, 1], batch_cache=6, seqlen_q=3,
@@ -285,46 +288,50 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--options", nargs="+", default=list(ALL_OPTIONS), choices=list(ALL_OPTIONS))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256, 59])
-    parser.add_argument("--ratios", nargs="+", type=int, default=[1, 8], help="GQA ratios (divide 8)")
+    parser.add_argument("--head-dims", nargs="+", type=int, help="with --ratios: their full product")
+    parser.add_argument("--ratios", nargs="+", type=int, help="GQA ratios (dividing 8)")
     parser.add_argument("--seqlens", nargs=2, type=int, default=[1023, 1024], help="dense seqlen_q seqlen_k")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repo", type=Path, default=REPO_ROOT, help="the checkout whose package is measured")
+    parser.add_argument("--report-name", default="fp32_report.txt", help="the file written under $OUT")
     args = parser.parse_args(argv)
+    shapes = DEFAULT_SHAPES
+    if args.head_dims or args.ratios:
+        shapes = [(d, r) for d in args.head_dims or [64, 128, 256, 59] for r in args.ratios or [1, 8]]
     if not torch.cuda.is_available():
         raise SystemExit("fp32_error_report.py needs a CUDA GPU")
     import kernels
 
-    build_dir = build_variants.build(out_dir=Path(tempfile.mkdtemp(prefix="fa-build-")))
+    build_dir = build_variants.build(repo_root=args.repo.resolve(), out_dir=Path(tempfile.mkdtemp(prefix="fa-build-")))
     fa = kernels.get_local_kernel(build_dir)
     import triton
 
     header = (f"fp32 error report: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-              f"{triton.__version__}, seqlens {tuple(args.seqlens)}, seed {args.seed}, tree {build_dir.name}")
+              f"{triton.__version__}, seqlens {tuple(args.seqlens)}, seed {args.seed}, package from {args.repo.resolve()}")
     print(header, flush=True)
     out_dir = os.environ.get("OUT")
     rows = []
     for dtype_name in args.dtypes:
         for option in args.options:
-            for head_dim in args.head_dims:
-                for ratio_gqa in args.ratios:
-                    torch.manual_seed(args.seed)
-                    key = (dtype_name, option, head_dim, ratio_gqa)
-                    start = time.time()
-                    try:
-                        row = run_case(fa, DTYPES[dtype_name], option, head_dim, ratio_gqa, tuple(args.seqlens))
-                    except Exception as error:  # one failing case must not hide the others
-                        row = f"{type(error).__name__}: {str(error).splitlines()[0][:150] if str(error) else ''}"
-                    rows.append((key, row))
-                    cells = row if isinstance(row, str) else " ".join(f"{t}={_fmt(row[t]).strip()}" for t in row)
-                    print(f"{dtype_name} {option} d{head_dim} gqa{ratio_gqa}: {cells}  ({time.time() - start:.1f} s)",
-                          flush=True)
-                    if out_dir:
-                        Path(out_dir, "fp32_report.txt").write_text(report(rows, header) + "\n")
+            for head_dim, ratio_gqa in shapes:
+                torch.manual_seed(args.seed)
+                key = (dtype_name, option, head_dim, ratio_gqa)
+                start = time.time()
+                try:
+                    row = run_case(fa, DTYPES[dtype_name], option, head_dim, ratio_gqa, tuple(args.seqlens))
+                except Exception as error:  # one failing case must not hide the others
+                    row = f"{type(error).__name__}: {str(error).splitlines()[0][:150] if str(error) else ''}"
+                rows.append((key, row))
+                cells = row if isinstance(row, str) else " ".join(f"{t}={_fmt(row[t]).strip()}" for t in row)
+                print(f"{dtype_name} {option} d{head_dim} gqa{ratio_gqa}: {cells}  ({time.time() - start:.1f} s)",
+                      flush=True)
+                if out_dir:
+                    Path(out_dir, args.report_name).write_text(report(rows, header) + "\n")
     text = report(rows, header)
     print()
     print(text)
     if out_dir:
-        Path(out_dir, "fp32_report.txt").write_text(text + "\n")
+        Path(out_dir, args.report_name).write_text(text + "\n")
 
 
 if __name__ == "__main__":
