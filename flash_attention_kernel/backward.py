@@ -44,8 +44,8 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits,
-    logits_grad, query_tile_ranges, query_tile_start,
+    DROPOUT, MASK_LEFT, MASK_RIGHT, dropout_keep, exp_logits, head_options, key_tile_ranges, logit_unit, logit_units,
+    logits, logits_grad, query_tile_ranges, query_tile_start,
 )
 from .tiles import (
     kv_sources, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
@@ -108,11 +108,11 @@ def _dkdv_query_loop(
     for start_m in range(q_start, q_end, BLOCK_M):
         q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM,
                                   DIM_A, DIM_B, MASKED, USE_TMA)
-        lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED) * LOG2E
+        lse_units = logit_units(load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, MASKED), VARIANT)
         offs_m = (start_m + tl.arange(0, BLOCK_M))[None, :]
         qk_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION)
         s_t, capped_t = logits(qk_t, offs_m, offs_n[:, None], seqlen_k, diag, window, score, MASKED, VARIANT)
-        p_t = tl.exp2(s_t * logit_unit(score, VARIANT) - lse_log2[None, :])
+        p_t = exp_logits(s_t * logit_unit(score, VARIANT) - lse_units[None, :], VARIANT)
         do_a, do_b = load_tile_from(do_descs, do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM,
                                     DIM_A, DIM_B, MASKED, USE_TMA)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
@@ -205,7 +205,7 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_loop(
-    dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta,
+    dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
@@ -222,7 +222,7 @@ def _dq_key_loop(
         cols = (start_n + offs_n)[None, :]
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         s, capped = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
-        p_grad = logits_grad(tl.exp2(s * logit_unit(score, VARIANT) - lse_log2[:, None]), capped, VARIANT)
+        p_grad = logits_grad(exp_logits(s * logit_unit(score, VARIANT) - lse_units[:, None], VARIANT), capped, VARIANT)
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
             dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), dp, 0.0)
@@ -276,7 +276,7 @@ def _attn_bwd_dq_kernel(
                            stride_dom, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
     lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
     delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
-    lse_log2 = load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, True) * LOG2E
+    lse_units = logit_units(load_row_stat(lse_base, start_m, seqlen_q, float("inf"), BLOCK_M, True), VARIANT)
     if COMPUTE_DELTA:
         delta = _store_row_delta(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), do_a, do_b,
                                  tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), delta_base,
@@ -296,18 +296,18 @@ def _attn_bwd_dq_kernel(
     dq_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     if MASK_LEFT & VARIANT:  # key tiles crossing the window's left edge
         dq_a, dq_b = _dq_key_loop(
-            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
     dq_a, dq_b = _dq_key_loop(
-        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
         BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
         dq_a, dq_b = _dq_key_loop(
-            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_log2, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )

@@ -46,7 +46,7 @@ import triton.language as tl
 from . import configs
 from .configs import GPU_CLASSES, TileConfig, decode_config, head_dim_chunks
 from .direct_launch import launcher
-from .forward import forward_key_loop
+from .forward import forward_key_loop, reciprocal, row_lse
 from .launch import (
     LaunchPlan, check_gpu_supports, device_gpu_class, fixed_launch_plan, identity_wrap, is_interpreted,
     kernel_variant, last_dim_contiguous, launch_fitting, precision_mode, refitted,
@@ -56,7 +56,6 @@ from .rotary import load_rotated_rows
 from .scores import ALIBI, MASK_LEFT, SINKS, head_options, row_start, rows_key_tile_ranges
 from .tiles import kv_sources, store_rows
 
-LN2 = tl.constexpr(0.6931471805599453)
 NEW_ROWS_BLOCK = tl.constexpr(16)  # new key/value rows written per step
 MAX_SPLITS = 128
 MERGE_ELEMENTS = 4096  # fp32 values of the splits' outputs the merge kernel loads at once
@@ -225,12 +224,12 @@ def _decode_kernel(
     )
 
     empty_row = row_sum == 0.0
-    inv_sum = 1.0 / tl.where(empty_row, 1.0, row_sum)
+    inv_sum = reciprocal(tl.where(empty_row, 1.0, row_sum), VARIANT)
     out_rows = split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob + queries * stride_om + heads * stride_oh
     store_rows(Out, acc_a * inv_sum[:, None], out_rows, row_inside, 0, DIM_A, HEAD_DIM, PRECISION)
     if DIM_B > 0:
         store_rows(Out, acc_b * inv_sum[:, None], out_rows, row_inside, DIM_A, DIM_B, HEAD_DIM, PRECISION)
-    lse = (row_max + tl.log2(tl.where(empty_row, 1.0, row_sum))) * LN2
+    lse = row_lse(row_max, tl.where(empty_row, 1.0, row_sum), VARIANT)
     lse = tl.where(empty_row, float("-inf") if SPLIT else float("inf"), lse)
     lse_rows = split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb + heads * stride_lh + queries
     tl.store(Lse + lse_rows, lse, mask=row_inside)
@@ -267,7 +266,10 @@ def _merge_kernel(OutSplits, LseSplits, Out, Lse, num_splits,
         acc = acc * alpha + tl.sum(weights[:, None] * out, 0)
         row_max = new_max
     empty_row = row_sum == 0.0
-    out = acc / tl.where(empty_row, 1.0, row_sum)
+    if PRECISION == "ieee":  # fp32 (scores.FP32_EXACT): IEEE division, not div.full.f32's 2 ulp
+        out = tl.math.div_rn(acc, tl.where(empty_row, 1.0, row_sum))
+    else:
+        out = acc / tl.where(empty_row, 1.0, row_sum)
     store_rows(Out + batch * stride_ob + query * stride_om + head * stride_oh, out[None, :], tl.zeros([1], tl.int64),
                tl.full([1], True, tl.int1), 0, HEAD_DIM_PADDED, HEAD_DIM, PRECISION)
     lse = tl.where(empty_row, float("inf"), row_max + tl.log(tl.where(empty_row, 1.0, row_sum)))

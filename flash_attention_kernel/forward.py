@@ -10,6 +10,9 @@ matching KV head in BLOCK_N tiles, never materialising the (seqlen_q, seqlen_k) 
     acc  = acc * alpha + P V_j
     O    = acc / l,        lse = (m + log2(l)) * ln(2)   natural-log logsumexp, as flash-attn returns
 
+fp32 inputs keep S, m and the lse in natural units and take P = exp2((S - m') * log2(e)), so that
+the base-2 factor's rounding scales S - m' only (scores.FP32_EXACT).
+
 S comes from ``scores.logits``, which applies the options (softcap, ALiBi, the window and causal
 masks). A softcap bounds S, so there (scores.FIXED_PIVOT) m is a constant and alpha is 1: no row
 max, no rescaling. With attention sinks the running max and sum start from the sink's logit instead
@@ -47,13 +50,35 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, FIXED_PIVOT, MASK_LEFT, dropout_keep, head_options, key_tile_ranges, logit_unit, logits, query_tile_start,
-    row_start,
+    DROPOUT, FIXED_PIVOT, FP32_EXACT, MASK_LEFT, dropout_keep, exp_logits, head_options, key_tile_ranges, logit_unit,
+    logits, query_tile_start, row_start,
 )
 from .tiles import kv_sources, load_kv_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, \
     sequence_span, slice_descriptors, store_tile, tile_base
 
 LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def reciprocal(row_sum, VARIANT: tl.constexpr):
+    """1 / row_sum, which normalises a row's output: under FP32_EXACT by IEEE division (div.rn,
+    half an ulp); else the compiled default, div.full.f32 (2 ulp), far below a 2-byte output's
+    rounding."""
+    if FP32_EXACT & VARIANT:
+        return tl.math.div_rn(1.0, row_sum)
+    else:
+        return 1.0 / row_sum
+
+
+@triton.jit
+def row_lse(row_max, row_sum, VARIANT: tl.constexpr):
+    """Natural-log logsumexp of rows with row_sum > 0, from their running max in logit units:
+    (row_max + log2(row_sum)) * ln 2, or under FP32_EXACT, where row_max is natural,
+    row_max + log2(row_sum) * ln 2 (one fused multiply-add)."""
+    if FP32_EXACT & VARIANT:
+        return tl.fma(tl.log2(row_sum), LN2, row_max)
+    else:
+        return (row_max + tl.log2(row_sum)) * LN2
 
 
 @triton.jit
@@ -88,8 +113,8 @@ def forward_key_loop(
                 pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
             else:
                 pivot = new_max
-            p = tl.exp2(s * unit - pivot[:, None])
-            alpha = tl.exp2(row_max - pivot)
+            p = exp_logits(s * unit - pivot[:, None], VARIANT)
+            alpha = exp_logits(row_max - pivot, VARIANT)
             row_sum = row_sum * alpha + tl.sum(p, 1)
         if DROPOUT & VARIANT:
             p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), p, 0.0)
@@ -178,13 +203,13 @@ def _attn_fwd_kernel(
         )
 
     empty_row = row_sum == 0.0
-    inv_sum = 1.0 / tl.where(empty_row, 1.0, row_sum)
+    inv_sum = reciprocal(tl.where(empty_row, 1.0, row_sum), VARIANT)
     if DROPOUT & VARIANT:
         inv_sum = inv_sum * dropout_scale
     o_base = tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om)
     store_tile(o_base, acc_a * inv_sum[:, None], acc_b * inv_sum[:, None], start_m, stride_om, seqlen_q, BLOCK_M,
                HEAD_DIM, DIM_A, DIM_B, PRECISION)
-    lse = tl.where(empty_row, float("inf"), (row_max + tl.log2(tl.where(empty_row, 1.0, row_sum))) * LN2)
+    lse = tl.where(empty_row, float("inf"), row_lse(row_max, tl.where(empty_row, 1.0, row_sum), VARIANT))
     lse_base = tile_base(Lse, batch, head, q_first, stride_lse_b, stride_lse_h, 1)
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 

@@ -15,7 +15,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .configs import (MIN_CAPABILITY, GpuClass, TileConfig, gpu_class, head_dim_chunks, smaller_config, tile_config,
                       warp_specialized_config)
-from .options import ALIBI, DROPOUT, FIXED_PIVOT, LOG2E, SINKS, SOFTCAP, TANH_APPROX, WIDE_PRODUCTS, AttentionOptions
+from .options import (
+    ALIBI, DROPOUT, FIXED_PIVOT, FP32_EXACT, LOG2E, SINKS, SOFTCAP, TANH_APPROX, WIDE_PRODUCTS, AttentionOptions,
+)
 
 
 def identity_wrap(kernel):
@@ -288,18 +290,23 @@ def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: b
     * TANH_APPROX where a softcap on 2-byte inputs runs compiled (the GPU's tanh.approx.f32 costs
       one special-function op where the exact form costs three; its 2^-11 relative error sits
       below fp16/bf16 rounding). fp32 inputs and the interpreter keep the exact form.
-    * FIXED_PIVOT where every logit is bounded (no ALiBi or sinks), P is not fp16 and the softcap
+    * FIXED_PIVOT where every logit is bounded (no ALiBi or sinks), P is bf16 and the softcap
       is at most FIXED_PIVOT_MAX_LOG2 / log2(e) (about 52.7; Gemma 2 uses 50).
     * WIDE_PRODUCTS where dropout runs compiled in the ``forward`` kernel: Philox's products by
-      inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (NOTES v21)."""
+      inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (NOTES v21).
+    * FP32_EXACT for fp32 inputs: the forms that keep fp32 within PyTorch's own error (issue 39),
+      logits in natural units (``options.AttentionOptions.kernel_args`` passes them so), hence no
+      FIXED_PIVOT, whose headroom is counted in base 2."""
     variant = options.variant
+    if dtype == torch.float32:
+        variant |= FP32_EXACT
     if variant & DROPOUT and forward and not interpreted:
         variant |= WIDE_PRODUCTS
     if options.softcap > 0:
         if dtype != torch.float32 and not interpreted:
             variant |= TANH_APPROX
         bounded = not variant & (ALIBI | SINKS) and options.softcap * LOG2E <= FIXED_PIVOT_MAX_LOG2
-        if bounded and dtype != torch.float16:
+        if bounded and dtype == torch.bfloat16:
             variant |= FIXED_PIVOT
     return variant
 

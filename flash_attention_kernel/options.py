@@ -41,6 +41,7 @@ MAX_WINDOW = 2 ** 30
 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX, FIXED_PIVOT = 1, 2, 4, 8, 16, 32, 64, 128
 WIDE_PRODUCTS = 256
 SCORES_AHEAD = 512  # the Gluon forward's schedule for dropout (hopper_forward)
+FP32_EXACT = 1024  # fp32 inputs: the exact forms of scores.py (launch.kernel_variant)
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,14 @@ class AttentionOptions:
     def kernel_args(self, stand_in: torch.Tensor) -> tuple:
         """(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left,
         window_right, dropout_threshold, dropout_scale), as every kernel takes them; ``stand_in``
-        fills unused pointers (never read)."""
+        (q) fills unused pointers (never read). For fp32 q the scale and the softcap are natural,
+        without the factor log2(e) (scores.FP32_EXACT)."""
         left, right = (min(bound, MAX_WINDOW) for bound in self.window)  # (int32 arithmetic in the kernels)
+        log2e = 1.0 if stand_in.dtype == torch.float32 else LOG2E
         if self.softcap > 0:
-            score_scale, softcap_log2 = self.softmax_scale / self.softcap, self.softcap * LOG2E
+            score_scale, softcap_log2 = self.softmax_scale / self.softcap, self.softcap * log2e
         else:
-            score_scale, softcap_log2 = self.softmax_scale * LOG2E, 0.0
+            score_scale, softcap_log2 = self.softmax_scale * log2e, 0.0
         slopes = self.alibi_slopes
         stride_alibi_b = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
         threshold = min(int(round(self.dropout_p * 256)), 255)  # (scores.dropout_keep)

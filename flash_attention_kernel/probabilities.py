@@ -21,7 +21,7 @@ from .launch import (
     launch_fitting, precision_mode,
 )
 from .options import AttentionOptions
-from .scores import LOG2E, dropout_keep, head_options, logit_unit, logits
+from .scores import dropout_keep, exp_logits, head_options, logit_unit, logit_units, logits
 from .tiles import load_row_stat, load_tile, mma_over_head, sequence_span, tile_base
 
 
@@ -53,8 +53,8 @@ def _attn_probs_kernel(
                                          dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
     q_a, q_b = load_tile(tile_base(Q, batch, head, q_first, stride_qb, stride_qh, stride_qm), start_m, stride_qm,
                          seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
-    lse_log2 = load_row_stat(tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), start_m, seqlen_q,
-                             float("inf"), BLOCK_M, True) * LOG2E
+    lse_units = logit_units(load_row_stat(tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1),
+                                          start_m, seqlen_q, float("inf"), BLOCK_M, True), VARIANT)
     k_base = tile_base(K, batch, kv_head, k_first, stride_kb, stride_kh, stride_kn)
     probs_base = Probs + batch.to(tl.int64) * stride_pb + head.to(tl.int64) * stride_ph
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -64,7 +64,7 @@ def _attn_probs_kernel(
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         s, capped = logits(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, (window_left, window_right), score,
                            True, VARIANT)
-        p = tl.exp2(s * logit_unit(score, VARIANT) - lse_log2[:, None])
+        p = exp_logits(s * logit_unit(score, VARIANT) - lse_units[:, None], VARIANT)
         p = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), p, p * -1.0)  # (-0.0 for 0, unlike 0 - p)
         ptrs = probs_base + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
         inside = ((offs_m < tl.minimum(seqlen_q, rows_out))[:, None]  # (a sequence longer than max_seqlen:

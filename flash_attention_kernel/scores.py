@@ -18,13 +18,25 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
 * WIDE_PRODUCTS: Philox's 32 x 32-bit products through mul.wide.u32, one instruction for both
   halves where mul.hi and mul.lo take two (the compiled forward with dropout; elsewhere, and on
   the interpreter, tl.philox draws the same bits).
+* FP32_EXACT: fp32 inputs, whose error must stay at that of PyTorch's fp32 attention (the 2-byte
+  paths round P to 16 bits anyway and keep the cheaper forms). Logits, row maxima, sinks, ALiBi
+  slopes, the softcap and the logsumexp stay in natural units (options.kernel_args passes the
+  scale and the softcap unscaled), and only a difference of logits is turned into base 2, by
+  ``exp_logits``: the product by log2(e), and its fp32 rounding, then scale |s - max| instead of
+  |s| and |max| separately (the rounded constants fl(scale * log2 e) and fl(softcap * log2 e)
+  would also shift every logit of a call the same way, which PyTorch's exact scales do not). The
+  backward reads the stored natural lse as it is, with no conversion to base 2. Also: the
+  softcap's tanh without cancellation near 0 and its derivative from exp(-2|x|) instead of
+  1 - tanh^2 (``_tanh_exact``), and IEEE divisions (div.rn) where the compiled default is
+  div.full.f32 (2 ulp). FIXED_PIVOT is off (its headroom is counted in base 2).
 * FIXED_PIVOT: a softcap bounds every logit to [-softcap, softcap], so the forward subtracts a
   constant (``row_start``) instead of the running row max: no max, no rescaling of the
   accumulator. The launcher sets it where the bound keeps every exp2 in fp32's and bf16's normal
   range (no ALiBi or sinks, which are unbounded; no fp16 P).
 
-Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2, and in units of
-``logit_unit`` (the softcap's scale where the tanh is returned unscaled, else 1).
+Logits are held in base 2 (scaled by log2(e)), as the kernels use exp2 (natural units under
+FP32_EXACT), and in units of ``logit_unit`` (the softcap's scale where the tanh is returned
+unscaled, else 1).
 
 Tile ranges. A program that owns a block of rows streams tiles of the other side in three ranges:
 [lo, full_lo) tiles crossing the lower band edge (masked), [full_lo, full_hi) tiles every row of
@@ -46,8 +58,14 @@ TANH_APPROX = tl.constexpr(64)  # the softcap's tanh through the GPU's tanh.appr
 FIXED_PIVOT = tl.constexpr(128)  # (and its headroom) launch.kernel_variant
 WIDE_PRODUCTS = tl.constexpr(256)  # Philox's products by mul.wide.u32 (launch.kernel_variant)
 PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2^32
+FP32_EXACT = tl.constexpr(1024)  # fp32 inputs (launch.kernel_variant); 512 is options.SCORES_AHEAD
 
 LOG2E = tl.constexpr(1.4426950408889634)
+# tanh x = x (1 + x^2 (c1 + x^2 (c2 + ...))) on |x| < TANH_SERIES_BOUND: Taylor coefficients, the first
+# term left out below 2^-32 relative at the bound (FP32_EXACT, ``_tanh_exact``)
+TANH_SERIES_BOUND = tl.constexpr(0.25)
+TANH_C1, TANH_C2, TANH_C3 = tl.constexpr(-1.0 / 3.0), tl.constexpr(2.0 / 15.0), tl.constexpr(-17.0 / 315.0)
+TANH_C4, TANH_C5 = tl.constexpr(62.0 / 2835.0), tl.constexpr(-1382.0 / 155925.0)
 
 # Philox-4x32 as tl.philox runs it: its round multipliers and key increments, 7 rounds
 # (dropout_keep; hopper_dropout's Gluon copy of the rounds takes the same names)
@@ -137,9 +155,9 @@ def visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT: tl.constexpr):
 
 @triton.jit
 def _tanh(x, VARIANT: tl.constexpr):
-    """tanh: with TANH_APPROX the GPU's tanh.approx.f32 (one special-function op, relative error
-    2^-11, flash-attn's choice for 2-byte inputs); else from exp2 (the interpreter has neither
-    libdevice nor PTX): (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor
+    """tanh of 2-byte inputs (fp32 ones take ``_tanh_exact``): with TANH_APPROX the GPU's
+    tanh.approx.f32 (one special-function op, relative error 2^-11, flash-attn's choice for
+    2-byte inputs); else from exp2 (the interpreter has neither libdevice nor PTX): (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor
     loses the sign, accurate to a few fp32 ulps."""
     if TANH_APPROX & VARIANT:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
@@ -148,6 +166,45 @@ def _tanh(x, VARIANT: tl.constexpr):
         e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
         t = tl.fdiv(1.0 - e, 1.0 + e)
         return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _tanh_exact(x):
+    """(tanh x, tanh' x = 1 - tanh^2 x) to a few fp32 ulps each (FP32_EXACT).
+
+    ``_tanh``'s (1 - e) / (1 + e) loses the relative precision of e = exp(-2|x|) in 1 - e when
+    |x| is small: an absolute error of about 2^-23 there, which softcap * tanh turns into a logit
+    error of softcap * 2^-23 (PyTorch's is |logit| * 2^-24). Below TANH_SERIES_BOUND the odd
+    Taylor series is used instead; above it 1 - e >= 0.39 keeps e's relative error. The
+    derivative 4 e / (1 + e)^2 has e's relative error everywhere, where 1 - t^2 from a rounded t
+    cancels as the tanh saturates (|x| of a few units: most scores of a softcapped model)."""
+    a = tl.abs(x)
+    e = tl.exp2(a * (-2.0 * LOG2E))
+    x2 = x * x
+    series = a + a * x2 * (TANH_C1 + x2 * (TANH_C2 + x2 * (TANH_C3 + x2 * (TANH_C4 + x2 * TANH_C5))))
+    t = tl.where(a < TANH_SERIES_BOUND, series, tl.math.div_rn(1.0 - e, 1.0 + e))
+    one_plus_e = 1.0 + e
+    return tl.where(x < 0, -t, t), tl.math.div_rn(4.0 * e, one_plus_e * one_plus_e)
+
+
+@triton.jit
+def logit_units(x, VARIANT: tl.constexpr):
+    """A natural-log quantity (an ALiBi slope, a sink, the stored logsumexp) in the kernels' logit
+    units: times log2(e), or as it is under FP32_EXACT."""
+    if FP32_EXACT & VARIANT:
+        return x
+    else:
+        return x * LOG2E
+
+
+@triton.jit
+def exp_logits(x, VARIANT: tl.constexpr):
+    """exp of a difference of logits in the kernels' units (a probability, a rescaling factor):
+    exp2(x), or exp2(x * log2(e)) under FP32_EXACT, where x is natural."""
+    if FP32_EXACT & VARIANT:
+        return tl.exp2(x * LOG2E)
+    else:
+        return tl.exp2(x)
 
 
 @triton.jit
@@ -167,13 +224,17 @@ def logits(qk, q_idx, k_idx, seqlen_k, diag, window, score, MASKED: tl.constexpr
     MASKED and invisible, and the tanh of the softcap (for ``logits_grad``; unused without
     SOFTCAP).
 
-    ``score`` = (scale, softcap_log2, alibi_slope_log2): without SOFTCAP, scale is
+    ``score`` = (scale, softcap_log2, alibi_slope_log2) (natural units under FP32_EXACT: no
+    log2(e) in any of them): without SOFTCAP, scale is
     softmax_scale * log2(e); with it, softmax_scale / softcap, and the capped logit is
     softcap_log2 * tanh(qk * scale), returned as the tanh alone unless ALiBi's bias must be added
     to it. ALiBi's distance is formed in fp32 from the fp32 row and column indices, exact below
-    2^24, so each element costs a subtraction and a multiply-add."""
+    2^24, so each element costs a subtraction and a multiply-add. Under FP32_EXACT the second
+    result is tanh' itself (``_tanh_exact``)."""
     scale, softcap_log2, alibi_slope_log2 = score
-    if SOFTCAP & VARIANT:
+    if (SOFTCAP & VARIANT) and (FP32_EXACT & VARIANT):
+        s, capped = _tanh_exact(qk * scale)
+    elif SOFTCAP & VARIANT:
         capped = _tanh(qk * scale, VARIANT)
         s = capped
     else:
@@ -194,8 +255,11 @@ def logits_grad(x, capped, VARIANT: tl.constexpr):
     """``x`` times the derivative of the logits with respect to q.k * softmax_scale: the softcap's
     tanh' = 1 - tanh^2, else 1. The gradient of the scores is P * tanh' * (dP - delta); the dQ
     kernel applies this to P as soon as it exists, so that the tanh does not stay in registers
-    while dP is computed (the scale is applied by the caller)."""
-    if SOFTCAP & VARIANT:
+    while dP is computed (the scale is applied by the caller). Under FP32_EXACT ``capped`` is
+    tanh' already."""
+    if (SOFTCAP & VARIANT) and (FP32_EXACT & VARIANT):
+        return x * capped
+    elif SOFTCAP & VARIANT:
         return x * (1.0 - capped * capped)
     else:
         return x
@@ -363,9 +427,9 @@ def head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, soft
     seed = 0
     offset = 0
     if ALIBI & VARIANT:
-        slope_log2 = tl.load(AlibiSlopes + batch.to(tl.int64) * stride_alibi_b + head) * LOG2E
+        slope_log2 = logit_units(tl.load(AlibiSlopes + batch.to(tl.int64) * stride_alibi_b + head), VARIANT)
     if SINKS & VARIANT:
-        sink_log2 = tl.load(Sinks + head).to(tl.float32) * LOG2E
+        sink_log2 = logit_units(tl.load(Sinks + head).to(tl.float32), VARIANT)
     if DROPOUT & VARIANT:
         seed = tl.load(RngState)
         offset = (tl.load(RngState + 1) & 0xFFFFFFFF).to(tl.uint32)
