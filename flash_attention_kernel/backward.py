@@ -44,8 +44,8 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, MASK_LEFT, MASK_RIGHT, dropout_keep, exp_logits, head_options, key_tile_ranges, logit_unit, logit_units,
-    logits, logits_grad, query_tile_ranges, query_tile_start,
+    DROPOUT, FP32_EXACT, MASK_LEFT, MASK_RIGHT, dropout_keep, exp_logits, head_options, key_tile_ranges, logit_unit,
+    logit_units, logits, logits_grad, query_tile_ranges, query_tile_start,
 )
 from .tiles import (
     kv_sources, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
@@ -167,7 +167,17 @@ def _attn_bwd_dkdv_kernel(
     dv_b = tl.zeros([BLOCK_N, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_tile_ranges(start_n, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
 
+    # fp32 with GQA sums each query head's terms apart, then adds them: a sum of one chain over
+    # GROUP_SIZE heads' rows loses GROUP_SIZE times the bits of PyTorch's per-head products, about
+    # sqrt(GROUP_SIZE) times its error (3-4.7x at 8:1 on an H100, issue 39). Costs a second set of
+    # accumulators, on the fp32 path only.
+    SUM_PER_HEAD: tl.constexpr = (FP32_EXACT & VARIANT) != 0 and GROUP_SIZE > 1
     for group_member in range(GROUP_SIZE):
+        if SUM_PER_HEAD:
+            hk_a, hk_b = tl.zeros_like(dk_a), tl.zeros_like(dk_b)
+            hv_a, hv_b = tl.zeros_like(dv_a), tl.zeros_like(dv_b)
+        else:
+            hk_a, hk_b, hv_a, hv_b = dk_a, dk_b, dv_a, dv_b
         head = kv_head * GROUP_SIZE + group_member
         score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
                                          dropout_threshold, batch, head, tl.num_programs(1) * GROUP_SIZE, VARIANT)
@@ -178,24 +188,28 @@ def _attn_bwd_dkdv_kernel(
         q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
         do_descs = tile_descriptors(do_base, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
         if MASK_RIGHT & VARIANT:  # query tiles crossing the causal diagonal / the window's right edge
-            dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
-                dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base,
+            hk_a, hk_b, hv_a, hv_b = _dkdv_query_loop(
+                hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base,
                 delta_base, stride_qm, stride_dom,
                 start_n, lo, full_lo, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
                 BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
             )
-        dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
-            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
+        hk_a, hk_b, hv_a, hv_b = _dkdv_query_loop(
+            hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
             stride_qm, stride_dom,
             start_n, full_lo, full_hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
             BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA,
         )
-        dk_a, dk_b, dv_a, dv_b = _dkdv_query_loop(
-            dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
+        hk_a, hk_b, hv_a, hv_b = _dkdv_query_loop(
+            hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
             stride_qm, stride_dom,
             start_n, full_hi, hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
             BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
         )
+        if SUM_PER_HEAD:
+            dk_a, dk_b, dv_a, dv_b = dk_a + hk_a, dk_b + hk_b, dv_a + hv_a, dv_b + hv_b
+        else:
+            dk_a, dk_b, dv_a, dv_b = hk_a, hk_b, hv_a, hv_b
 
     store_tile(tile_base(DK, batch, kv_head, k_first, stride_dkb, stride_dkh, stride_dkn), dk_a * softmax_scale,
                dk_b * softmax_scale, start_n, stride_dkn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, PRECISION)

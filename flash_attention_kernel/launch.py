@@ -283,7 +283,8 @@ def ensure_scratch_allocator() -> None:
 FIXED_PIVOT_MAX_LOG2 = 76.0
 
 
-def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: bool, forward: bool = False) -> int:
+def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: bool, forward: bool = False,
+                   max_keys: int = 0) -> int:
     """The VARIANT constexpr of a launch: the options' bits, plus what a softcap's dtype and value
     allow (scores.py):
 
@@ -291,7 +292,11 @@ def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: b
       one special-function op where the exact form costs three; its 2^-11 relative error sits
       below fp16/bf16 rounding). fp32 inputs and the interpreter keep the exact form.
     * FIXED_PIVOT where every logit is bounded (no ALiBi or sinks), P is bf16 and the softcap
-      is at most FIXED_PIVOT_MAX_LOG2 / log2(e) (about 52.7; Gemma 2 uses 50).
+      is at most FIXED_PIVOT_MAX_LOG2 / log2(e) (about 52.7; Gemma 2 uses 50), unless no row sees
+      more than one key (a window of (0, 0), or ``max_keys`` 1: the most keys a row can see, where
+      the caller knows it; 0 = unknown). A fixed pivot rounds every P to bf16, where a running max
+      gives the row's largest key P = 1 exactly; rows of one key then return their value exactly,
+      as PyTorch's softmax does, rather than within half a bf16 ulp of it.
     * WIDE_PRODUCTS where dropout runs compiled in the ``forward`` kernel: Philox's products by
       inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (NOTES v21).
     * FP32_EXACT for fp32 inputs: the forms that keep fp32 within PyTorch's own error (issue 39),
@@ -306,7 +311,8 @@ def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: b
         if dtype != torch.float32 and not interpreted:
             variant |= TANH_APPROX
         bounded = not variant & (ALIBI | SINKS) and options.softcap * LOG2E <= FIXED_PIVOT_MAX_LOG2
-        if bounded and dtype == torch.bfloat16:
+        one_key_rows = options.window == (0, 0) or max_keys == 1
+        if bounded and dtype == torch.bfloat16 and not one_key_rows:
             variant |= FIXED_PIVOT
     return variant
 

@@ -173,7 +173,9 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
 
 
 def _number(name: str, value, allowed: str, valid) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not valid(value):
+    # (finite as a comparison, not math.isfinite: torch.compile(dynamic=True) passes a SymFloat,
+    # which it can compare, guarding on the result, but not hand to math)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < math.inf or not valid(value):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return float(value)
 
