@@ -8,7 +8,8 @@ the gradients are
     delta = rowsum(dO * O) - dlse                  (dlse = grad of the lse output)
     dV    = (P * Z)^T dO
     dP    = (dO V^T) * Z
-    dS    = P * (dP - delta) * tanh'               (tanh' = 1 - tanh^2 of the softcap, else 1)
+    dS    = P * (dP - delta) * tanh'               (tanh' = 1 - tanh^2 of the softcap, else 1;
+                                                    exactly 0 at masked pairs: ``scores.score_grads``)
     dK    = softmax_scale * dS^T Q
     dQ    = softmax_scale * dS K
     dsink = -sum over rows of exp(sink - lse) * delta     (attention sinks; ``_sink_grad_kernel``)
