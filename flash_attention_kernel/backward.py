@@ -8,7 +8,8 @@ the gradients are
     delta = rowsum(dO * O) - dlse                  (dlse = grad of the lse output)
     dV    = (P * Z)^T dO
     dP    = (dO V^T) * Z
-    dS    = P * (dP - delta) * tanh'               (tanh' = 1 - tanh^2 of the softcap, else 1)
+    dS    = P * (dP - delta) * tanh'               (tanh' = 1 - tanh^2 of the softcap, else 1;
+                                                    exactly 0 at masked pairs: ``scores.score_grads``)
     dK    = softmax_scale * dS^T Q
     dQ    = softmax_scale * dS K
     dsink = -sum over rows of exp(sink - lse) * delta     (attention sinks; ``_sink_grad_kernel``)
@@ -45,7 +46,7 @@ from .launch import (
 from .options import AttentionOptions
 from .scores import (
     DROPOUT, FP32_EXACT, MASK_LEFT, MASK_RIGHT, dropout_keep, exp_logits, head_options, key_tile_ranges, logit_unit,
-    logit_units, logits, logits_grad, query_tile_ranges, query_tile_start,
+    logit_units, logits, logits_grad, query_tile_ranges, query_tile_start, score_grads,
 )
 from .tiles import (
     kv_sources, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
@@ -124,7 +125,8 @@ def _dkdv_query_loop(
         else:
             dv_a, dv_b = mma_into_head(p_t, do_a, do_b, dv_a, dv_b, DIM_B, PRECISION)
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, MASKED)
-        ds_t = logits_grad(p_t, capped_t, VARIANT) * (dp_t - delta[None, :])
+        ds_t = score_grads(logits_grad(p_t, capped_t, VARIANT), dp_t, delta[None, :], offs_m, offs_n[:, None],
+                           seqlen_k, diag, window, MASKED, VARIANT)
         dk_a, dk_b = mma_into_head(ds_t, q_a, q_b, dk_a, dk_b, DIM_B, PRECISION)
     return dk_a, dk_b, dv_a, dv_b
 
@@ -240,7 +242,8 @@ def _dq_key_loop(
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
             dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), dp, 0.0)
-        ds = p_grad * (dp - delta[:, None])  # (dropout: delta and dQ carry dP's 1 / (1 - p), the kernel's prologue)
+        # (dropout: delta and dQ carry dP's 1 / (1 - p), the kernel's prologue)
+        ds = score_grads(p_grad, dp, delta[:, None], offs_m[:, None], cols, seqlen_k, diag, window, MASKED, VARIANT)
         if DIM_B > 0:
             dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
         else:  # dq_b must not be a loop variable here: warp specialisation fails on one left unchanged

@@ -154,7 +154,8 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empt
     if DROPOUT_ & VARIANT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
         p_kept, dp = drop_unkept(state, words, p, dp)
         dp = dp * dropout_scale
-    ds = tile_logits_grad(p * (dp - delta[None, :]), capped, VARIANT)
+    ds = tile_logits_grad(p * (dp - delta[None, :]), capped, queries[None, :], keys[:, None], band, MASKED,
+                          VARIANT)
     dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk, is_async=True)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))

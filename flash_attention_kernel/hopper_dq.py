@@ -117,7 +117,7 @@ def _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_
     dp = warpgroup_mma_wait(PENDING, deps=(dp,))
     if DROPOUT_ & VARIANT:  # (dP's 1 / (1 - p) is in delta and in the final scale)
         dp = keep_pairs(dropout, words, dp)
-    ds = tile_logits_grad(p * (dp - delta[:, None]), capped, VARIANT)
+    ds = tile_logits_grad(p * (dp - delta[:, None]), capped, rows[:, None], keys[None, :], band, MASKED, VARIANT)
     return gl.convert_layout(round_pairs(ds, DTYPE), OPERAND_LAYOUT)
 
 @gluon.jit

@@ -16,8 +16,8 @@ Scores: the Gluon kernels cannot call ``scores.py``'s tl functions, so this modu
 Gluon form, the same math: ``band_tiles`` (which tiles a warpgroup visits: masked ones crossing a
 window edge, full ones, and the ones it releases unread because only the other warpgroup sees
 them), ``band_mask``, ``tile_logits`` (softcap, ALiBi, the band mask, minus the row's lse),
-``tile_logits_grad`` (the softcap's tanh') and, for the forward, which has no lse yet,
-``forward_logits``. The backward kernels hold their tiles in opposite orientations (dK/dV: S^T,
+``tile_logits_grad`` (the softcap's tanh', and dS = 0 outside the band) and, for the forward,
+which has no lse yet, ``forward_logits``. The backward kernels hold their tiles in opposite orientations (dK/dV: S^T,
 keys by queries; dQ: S), so ``tile_logits`` takes index vectors already shaped to broadcast.
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
@@ -224,18 +224,18 @@ def tile_logits(s, lse_log2, queries, keys, key_base, band, score, slope_log2, M
     else:
         x = scaled - lse_log2
     if MASKED:  # (masked before the exp2: the mask's predicate dies at once)
-        x = band_mask(x, queries, keys, band, VARIANT)
+        x = band_mask(x, queries, keys, band, float("-inf"), VARIANT)
     return x, capped
 
 @gluon.jit
-def band_mask(x, queries, keys, band, VARIANT: gl.constexpr):
+def band_mask(x, queries, keys, band, OUTSIDE: gl.constexpr, VARIANT: gl.constexpr):
     """``x`` where query i sees key j (i + diag - left <= j <= i + diag + right, the edges
-    VARIANT has), -inf elsewhere; ``queries`` and ``keys`` broadcast against ``x``."""
+    VARIANT has), OUTSIDE elsewhere; ``queries`` and ``keys`` broadcast against ``x``."""
     diag, left, right = band
     if MASK_RIGHT_ & VARIANT:
-        x = gl.where(keys <= queries + (diag + right), x, float("-inf"))
+        x = gl.where(keys <= queries + (diag + right), x, OUTSIDE)
     if MASK_LEFT_ & VARIANT:
-        x = gl.where(keys >= queries + (diag - left), x, float("-inf"))
+        x = gl.where(keys >= queries + (diag - left), x, OUTSIDE)
     return x
 
 @gluon.jit
@@ -275,13 +275,18 @@ def forward_logits(s, rows, keys, key_base, band, score, slope_log2, MASKED: gl.
             t = t - key_term[None, :]
             row_offset = -slope_log2 * row_distance
     if MASKED:
-        t = band_mask(t, rows[:, None], keys[None, :], band, VARIANT)
+        t = band_mask(t, rows[:, None], keys[None, :], band, float("-inf"), VARIANT)
     return t, unit, row_offset
 
 @gluon.jit
-def tile_logits_grad(ds, capped, VARIANT: gl.constexpr):
-    """``ds`` times the logits' derivative by the scaled score: the softcap's 1 - tanh^2, else 1."""
+def tile_logits_grad(ds, capped, queries, keys, band, MASKED: gl.constexpr, VARIANT: gl.constexpr):
+    """``ds`` = P (dP - delta) times the logits' derivative by the scaled score (the softcap's
+    1 - tanh^2, else 1), and exactly 0 where MASKED and outside the band: masked_fill's gradient,
+    as ``scores.score_grads`` (P = 0 there, but a row whose output is NaN has delta = NaN, which
+    0 * NaN would carry into dK of keys it never sees; the mask decides, not P == 0, which a
+    visible pair may underflow to). ``queries`` and ``keys`` as for ``tile_logits``."""
     if SOFTCAP_ & VARIANT:
-        return ds * (1.0 - capped * capped)
-    else:
-        return ds
+        ds = ds * (1.0 - capped * capped)
+    if MASKED:
+        ds = band_mask(ds, queries, keys, band, 0.0, VARIANT)
+    return ds

@@ -266,6 +266,22 @@ def logits_grad(x, capped, VARIANT: tl.constexpr):
 
 
 @triton.jit
+def score_grads(p_grad, dp, delta, q_idx, k_idx, seqlen_k, diag, window, MASKED: tl.constexpr,
+                VARIANT: tl.constexpr):
+    """dS = p_grad * (dP - delta) of a tile (``p_grad`` = ``logits_grad`` of P; ``delta``, like
+    the indices, shaped to broadcast), exactly 0 where MASKED and invisible: masked_fill's
+    gradient, as in PyTorch. P = 0 there, but a row whose output is NaN has delta = NaN (and lse
+    NaN: P = NaN), and 0 * NaN would carry it into dK of keys the row never sees, or a NaN value
+    row into dQ of rows that never see it. The mask, not P == 0, decides: a visible pair whose P
+    underflows to 0 keeps PyTorch's 0 * NaN. Full tiles, where every pair is visible, need no
+    select."""
+    ds = p_grad * (dp - delta)
+    if MASKED:
+        ds = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT), ds, 0.0)
+    return ds
+
+
+@triton.jit
 def row_start(sink_log2, score, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
     """Initial (running max, running sum) of a block of rows in base 2: (-inf, 0), or with SINKS
     the sink logit itself, (sink, 1). With FIXED_PIVOT the "max" is a constant pivot that the
