@@ -1,5 +1,6 @@
 """Host-side helpers shared by the kernel launchers."""
 
+import contextvars
 import functools
 import os
 import warnings
@@ -274,7 +275,9 @@ def ensure_scratch_allocator() -> None:
     from triton.runtime import _allocation
 
     current = getattr(_allocation, "_allocator", None)
-    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+    if isinstance(current, contextvars.ContextVar):  # Triton >= 3.5; 3.4 holds the allocator itself
+        current = current.get()
+    if current is None or isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
 
 
