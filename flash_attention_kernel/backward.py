@@ -41,7 +41,7 @@ from . import hopper_route
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_fitting, launch_plan, precision_mode,
+    launch_fitting, launch_plan, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import (
@@ -332,6 +332,7 @@ def _attn_bwd_dq_kernel(
                dq_b * softmax_scale, start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
 
 
+@on_tensor_device
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=None, cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, grads=None,
                        wrap_kernel=identity_wrap):

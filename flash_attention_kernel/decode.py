@@ -49,7 +49,7 @@ from .direct_launch import launcher
 from .forward import forward_key_loop, reciprocal, row_lse
 from .launch import (
     LaunchPlan, check_gpu_supports, device_gpu_class, fixed_launch_plan, identity_wrap, is_interpreted,
-    kernel_variant, last_dim_contiguous, launch_fitting, precision_mode, refitted,
+    kernel_variant, last_dim_contiguous, launch_fitting, on_tensor_device, precision_mode, refitted,
 )
 from .options import AttentionOptions
 from .rotary import load_rotated_rows
@@ -335,6 +335,7 @@ def _plan(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_n
     return _Plan(config, max(1, -(-rows // config.block_m)) * heads_k * batch, num_sms, fit, decode, merge)
 
 
+@on_tensor_device
 def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new=None, v_new=None, rotary_cos=None,
                            rotary_sin=None, cache_seqlens=None, cache_seqlen: int = 0, cache_batch_idx=None,
                            cache_leftpad=None, block_table=None, rotary_interleaved: bool = True, num_splits: int = 0,

@@ -46,7 +46,7 @@ from . import hopper_route
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_fitting, launch_plan, precision_mode,
+    launch_fitting, launch_plan, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import (
@@ -214,6 +214,7 @@ def _attn_fwd_kernel(
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
 
+@on_tensor_device
 def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, wrap_kernel=identity_wrap):
     """Attention forward, dense or variable-length, with ``options`` (options.AttentionOptions).

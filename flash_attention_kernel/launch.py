@@ -267,6 +267,22 @@ def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def on_tensor_device(launcher: Callable) -> Callable:
+    """``launcher`` run with its first argument's CUDA device current. Triton launches on the
+    current device's current stream, so a call on cuda:1 tensors while cuda:0 is current would
+    run on cuda:0's stream, unordered with the work that wrote its inputs (flash-attn's CUDA
+    kernels take a device guard for the same reason). One integer compare when the devices agree."""
+
+    @functools.wraps(launcher)
+    def guarded(x, *args, **kwargs):
+        if x.device.type != "cuda" or x.device.index == torch.cuda.current_device():
+            return launcher(x, *args, **kwargs)
+        with torch.cuda.device(x.device):
+            return launcher(x, *args, **kwargs)
+
+    return guarded
+
+
 def ensure_scratch_allocator() -> None:
     """Give Triton an allocator for the global scratch memory in which device-side tensor
     descriptors are built, unless the caller has set one. Triton keeps it in a context variable,

@@ -18,7 +18,7 @@ import triton.language as tl
 from .configs import TileConfig, head_dim_chunks
 from .launch import (
     SequenceLayout, fixed_launch_plan, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_fitting, precision_mode,
+    launch_fitting, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import dropout_keep, exp_logits, head_options, logit_unit, logit_units, logits
@@ -72,6 +72,7 @@ def _attn_probs_kernel(
         tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=inside)
 
 
+@on_tensor_device
 def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, wrap_kernel=identity_wrap):
     """S_dmask of a forward with dropout (module docstring), from its inputs and its lse; not for

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import identity_wrap, is_interpreted, last_dim_contiguous, precision_mode
+from .launch import identity_wrap, is_interpreted, last_dim_contiguous, on_tensor_device, precision_mode
 from .tiles import load_rows, round_to, sequence_span
 
 
@@ -131,6 +131,7 @@ def load_rotated_rows(base_ptr, row_offsets, row_mask, positions, Cos, Sin, stri
     return tl.where(rotating[None, :], round_to(rotated, x.dtype, PRECISION), x)
 
 
+@on_tensor_device
 def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen: int = 0, interleaved: bool = False,
                  inplace: bool = False, conjugate: bool = False, wrap_kernel=identity_wrap) -> torch.Tensor:
     """Rotate ``x`` (see the module docstring) and return the result: ``x`` itself, rotated in

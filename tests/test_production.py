@@ -26,6 +26,8 @@ torch.compile, streams, a second GPU and tensors past 2**31 elements.
   recompile.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -302,6 +304,35 @@ def _device_cases(other):
 
 
 CASE_NAMES = list(_device_cases("meta"))
+
+
+def test_launchers_make_their_tensors_device_current(fa, monkeypatch):
+    """Triton launches on the current device's stream, so each launcher makes its first tensor's
+    CUDA device current (launch.on_tensor_device), and only when it is not already: checked here
+    with stand-in devices, on two GPUs by test_second_gpu (cuda:1 inputs gave NaN without it)."""
+    kernels = fa.flash_attention_kernel
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            entered.append(device)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    ran = []
+    guarded = kernels.launch.on_tensor_device(lambda x, *args: ran.append(x.device))
+    for device in (torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")):
+        guarded(types.SimpleNamespace(device=device))
+    assert entered == [torch.device("cuda", 1)] and len(ran) == 3
+    for launcher in (kernels.attention_forward, kernels.attention_backward, kernels.attention_with_kvcache,
+                     kernels.apply_rotary, kernels.attention_probabilities):
+        assert launcher.__code__ is guarded.__code__, launcher.__name__
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
