@@ -53,7 +53,7 @@ from flash_attention_kernel import backward, configs, decode, forward, launch, o
 KERNELS = {"fwd": forward._attn_fwd_kernel, "dkdv": backward._attn_bwd_dkdv_kernel, "dq": backward._attn_bwd_dq_kernel,
            "decode": decode._decode_kernel}
 INT32_POINTERS = ("CacheSeqlens", "CacheBatchIdx", "CacheLeftpad", "BlockTable")
-STATS = ("Lse", "Delta", "DLse", "AlibiSlopes", "Sinks")
+STATS = ("Lse", "Delta", "RowScale", "DLse", "AlibiSlopes", "Sinks")
 SCALAR_OPTIONS = ("window_left", "window_right", "dropout_threshold", "stride_alibi_b", "cache_seqlen", "capacity",
                   "num_splits", "cache_entries", "total_q", "total_k")  # (no divisibility hint)
 FLOAT_ARGS = ("softmax_scale", "score_scale", "softcap_log2", "dropout_scale")
@@ -101,6 +101,8 @@ def _cuobjdump():
 def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, variant=0,
            specialized=False, ptx_path=None, arch=90):
     kernel = KERNELS[kernel_name]
+    if dtype == "fp32":  # (as launch.kernel_variant sets it for fp32 inputs)
+        variant |= options.FP32_EXACT
     dim_a, dim_b = configs.head_dim_chunks(head_dim)
     constexprs = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, GROUP_SIZE=1,
                       BLOCK_M=block_m, BLOCK_N=block_n, VARIANT=variant, IS_VARLEN=False,

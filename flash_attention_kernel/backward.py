@@ -45,8 +45,8 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, FP32_EXACT, MASK_LEFT, MASK_RIGHT, dropout_keep, exp_logits, head_options, key_tile_ranges, logit_unit,
-    logit_units, logits, logits_grad, query_tile_ranges, query_tile_start, score_grads,
+    DROPOUT, FP32_EXACT, MASK_LEFT, MASK_RIGHT, SINKS, dropout_keep, exp_logits, head_options, key_tile_ranges,
+    logit_unit, logit_units, logits, logits_grad, query_tile_ranges, query_tile_start, score_grads,
 )
 from .tiles import (
     kv_sources, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
@@ -98,13 +98,14 @@ def _store_row_delta(out_base, do_a, do_b, dlse_base, delta_base, start_m, strid
 @triton.jit
 def _dkdv_query_loop(
     dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b,
-    q_base, do_base, q_descs, do_descs, lse_base, delta_base, stride_qm, stride_dom,
+    q_base, do_base, q_descs, do_descs, lse_base, scale_base, delta_base, stride_qm, stride_dom,
     start_n, q_start, q_end, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [q_start, q_end), in transposed form
-    (rows = keys) so that every product lands directly in the key tile's accumulators."""
+    (rows = keys) so that every product lands directly in the key tile's accumulators. Under
+    FP32_EXACT, P takes each query row's RowScale (``_attn_bwd_dq_kernel``) at ``scale_base``."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(q_start, q_end, BLOCK_M):
         q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM,
@@ -114,6 +115,8 @@ def _dkdv_query_loop(
         qk_t = mma_over_head(k_a, k_b, q_a, q_b, DIM_B, PRECISION)
         s_t, capped_t = logits(qk_t, offs_m, offs_n[:, None], seqlen_k, diag, window, score, MASKED, VARIANT)
         p_t = exp_logits(s_t * logit_unit(score, VARIANT) - lse_units[None, :], VARIANT)
+        if FP32_EXACT & VARIANT:
+            p_t = p_t * load_row_stat(scale_base, start_m, seqlen_q, 1.0, BLOCK_M, MASKED)[None, :]
         do_a, do_b = load_tile_from(do_descs, do_base, start_m, stride_dom, seqlen_q, BLOCK_M, HEAD_DIM,
                                     DIM_A, DIM_B, MASKED, USE_TMA)
         dp_t = mma_over_head(v_a, v_b, do_a, do_b, DIM_B, PRECISION)
@@ -133,7 +136,7 @@ def _dkdv_query_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, total_q, total_k,
+    Q, K, V, DO, Lse, Delta, RowScale, DK, DV, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -187,24 +190,25 @@ def _attn_bwd_dkdv_kernel(
         do_base = tile_base(DO, batch, head, q_first, stride_dob, stride_doh, stride_dom)
         lse_base = tile_base(Lse, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         delta_base = tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+        scale_base = tile_base(RowScale, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         q_descs = tile_descriptors(q_base, seqlen_q, stride_qm, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
         do_descs = tile_descriptors(do_base, seqlen_q, stride_dom, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, USE_TMA)
         if MASK_RIGHT & VARIANT:  # query tiles crossing the causal diagonal / the window's right edge
             hk_a, hk_b, hv_a, hv_b = _dkdv_query_loop(
                 hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base,
-                delta_base, stride_qm, stride_dom,
+                scale_base, delta_base, stride_qm, stride_dom,
                 start_n, lo, full_lo, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
                 BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
             )
         hk_a, hk_b, hv_a, hv_b = _dkdv_query_loop(
-            hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
-            stride_qm, stride_dom,
+            hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, scale_base,
+            delta_base, stride_qm, stride_dom,
             start_n, full_lo, full_hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
             BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA,
         )
         hk_a, hk_b, hv_a, hv_b = _dkdv_query_loop(
-            hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, delta_base,
-            stride_qm, stride_dom,
+            hk_a, hk_b, hv_a, hv_b, k_a, k_b, v_a, v_b, q_base, do_base, q_descs, do_descs, lse_base, scale_base,
+            delta_base, stride_qm, stride_dom,
             start_n, full_hi, hi, seqlen_q, seqlen_k, diag, window, score, dropout, dropout_scale,
             BLOCK_M, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
         )
@@ -221,14 +225,15 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_loop(
-    dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta,
+    dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
+    """Accumulate dQ of one query tile over key tiles [kv_start, kv_end); under FP32_EXACT also
+    each row's sum of P (``p_sum``, see ``_attn_bwd_dq_kernel``)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
@@ -238,7 +243,10 @@ def _dq_key_loop(
         cols = (start_n + offs_n)[None, :]
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         s, capped = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
-        p_grad = logits_grad(exp_logits(s * logit_unit(score, VARIANT) - lse_units[:, None], VARIANT), capped, VARIANT)
+        p = exp_logits(s * logit_unit(score, VARIANT) - lse_units[:, None], VARIANT)
+        if FP32_EXACT & VARIANT:
+            p_sum += tl.sum(p, 1)
+        p_grad = logits_grad(p, capped, VARIANT)
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
             dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), dp, 0.0)
@@ -248,12 +256,12 @@ def _dq_key_loop(
             dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
         else:  # dq_b must not be a loop variable here: warp specialisation fails on one left unchanged
             dq_a = mma(round_to(ds, k_a.dtype, PRECISION), k_a, dq_a, PRECISION)
-    return dq_a, dq_b
+    return dq_a, dq_b, p_sum
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Out, Lse, DLse, Delta, DQ, CuSeqlensQ, CuSeqlensK, total_q, total_k,
+    Q, K, V, DO, Out, Lse, DLse, Delta, RowScale, DQ, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -270,7 +278,12 @@ def _attn_bwd_dq_kernel(
     WARP_SPECIALIZE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     """dQ of BLOCK_M query rows. COMPUTE_DELTA: compute and store their delta here (the preprocess
-    kernel's work; dense calls only, since every query row then has a program) instead of reading it."""
+    kernel's work; dense calls only, since every query row then has a program) instead of reading it.
+
+    FP32_EXACT: P recomputed from the stored fp32 lse carries its rounding, one factor c per row
+    (2^-19 relative at lse ~30), which PyTorch's fp32 softmax does not have. c is the row's sum of
+    P (plus the sink's term), since the true P sums to 1: the kernel divides dQ by it and stores
+    1 / c in RowScale for the dK/dV kernel and the sinks' gradient, which run after it."""
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -282,8 +295,8 @@ def _attn_bwd_dq_kernel(
     kv_head = head // GROUP_SIZE
     diag = seqlen_k - seqlen_q
     window = (window_left, window_right)
-    score, dropout, _ = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
-                                     dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
+    score, dropout, sink = head_options(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2,
+                                        dropout_threshold, batch, head, tl.num_programs(1), VARIANT)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # torch.compile passes Python floats as fp64
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
@@ -311,23 +324,31 @@ def _attn_bwd_dq_kernel(
 
     dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
+    p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MASK_LEFT & VARIANT:  # key tiles crossing the window's left edge
-        dq_a, dq_b = _dq_key_loop(
-            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+        dq_a, dq_b, p_sum = _dq_key_loop(
+            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
-    dq_a, dq_b = _dq_key_loop(
-        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+    dq_a, dq_b, p_sum = _dq_key_loop(
+        dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
         BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
-        dq_a, dq_b = _dq_key_loop(
-            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+        dq_a, dq_b, p_sum = _dq_key_loop(
+            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
+    if FP32_EXACT & VARIANT:
+        if SINKS & VARIANT:
+            p_sum += exp_logits(sink - lse_units, VARIANT)
+        row_scale = 1.0 / tl.where(p_sum > 0, p_sum, 1.0)  # (rows that see nothing: P = 0 anyway)
+        scale_base = tile_base(RowScale, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
+        tl.store(scale_base + offs_m, row_scale, mask=offs_m < seqlen_q)
+        dq_a, dq_b = dq_a * row_scale[:, None], dq_b * row_scale[:, None]
     store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq_a * softmax_scale,
                dq_b * softmax_scale, start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
 
@@ -366,6 +387,10 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
 
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
+    # fp32: the dQ kernel measures the rounding of the stored lse, 1 / c per row (RowScale), and runs
+    # before the dK/dV kernel and the sinks' gradient, which take it (_attn_bwd_dq_kernel)
+    exact = q.dtype == torch.float32
+    row_scale = layout.new_row_stats(q) if exact else delta  # (an unread stand-in otherwise)
     # (the dK/dV kernel has no warp-specialised loop, nor table entry: Triton 3.6 fails on it, NOTES v6)
     dkdv_plan = launch_plan("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
     dq_plan = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
@@ -379,7 +404,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
 
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, v, dout, out, lse, dlse, delta, dq, *layout.cu_seqlens(q, k),
+            q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
             USE_TMA=dq_plan.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq, HAS_DLSE=has_dlse,
@@ -388,7 +413,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
 
     def launch_dkdv(config, specialized):
         wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)](
-            q, k, v, dout, lse, delta, dk, dv, *layout.cu_seqlens(q, k),
+            q, k, v, dout, lse, delta, row_scale, dk, dv, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
             *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
             *option_args, **common, **matmul,
@@ -404,6 +429,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
+    if exact and not delta_in_dq:  # (the Gluon kernels take no fp32)
+        launch_fitting(dq_plan, launch_dq)
     gluon_dkdv = hopper_route.dkdv(options, layout, interpreted, q, k, v, dout)
     if gluon_dkdv is not None:
         gluon_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
@@ -411,15 +438,17 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         launch_fitting(dkdv_plan, launch_dkdv)
     if gluon_dq is not None:
         gluon_dq(dout, q, k, v, lse, delta, dq, options, layout)
-    elif not delta_in_dq:
+    elif not delta_in_dq and not exact:
         launch_fitting(dq_plan, launch_dq)
-    return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)
+    return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel, row_scale if exact else None)
 
 
 @triton.jit
-def _sink_grad_kernel(Lse, Delta, Sinks, DSinks, stride_b, stride_h, num_batches, num_rows, BLOCK: tl.constexpr):
+def _sink_grad_kernel(Lse, Delta, RowScale, Sinks, DSinks, stride_b, stride_h, num_batches, num_rows,
+                      BLOCK: tl.constexpr, SCALED: tl.constexpr):
     """d loss / d sink of one head (grid axis 0): -sum over its rows of exp(sink - lse) * delta
-    (0 on rows with lse = +inf), summed in a fixed order, so bitwise repeatable."""
+    (0 on rows with lse = +inf), summed in a fixed order, so bitwise repeatable. SCALED (fp32):
+    each row's term times its RowScale (the dQ kernel's correction of the stored lse's rounding)."""
     head = tl.program_id(0)
     sink = tl.load(Sinks + head).to(tl.float32)
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -429,14 +458,16 @@ def _sink_grad_kernel(Lse, Delta, Sinks, DSinks, stride_b, stride_h, num_batches
             rows = start + tl.arange(0, BLOCK)
             lse = tl.load(Lse + base + rows, mask=rows < num_rows, other=float("inf"))
             delta = tl.load(Delta + base + rows, mask=rows < num_rows, other=0.0)
+            if SCALED:
+                delta = delta * tl.load(RowScale + base + rows, mask=rows < num_rows, other=1.0)
             total += tl.exp(sink - lse) * delta
     tl.store(DSinks + head, (-tl.sum(total, 0)).to(DSinks.dtype.element_ty))
 
 
-def _sink_grad(options: AttentionOptions, lse, delta, wrap_kernel):
-    """The sinks' gradient (``_sink_grad_kernel``), None without sinks. lse and delta are
-    contiguous, (batch, heads, seqlen_q) or, varlen, (heads, total_q). A kernel rather than a torch
-    reduction, whose summation order torch.compile may change."""
+def _sink_grad(options: AttentionOptions, lse, delta, wrap_kernel, row_scale=None):
+    """The sinks' gradient (``_sink_grad_kernel``), None without sinks. lse and delta (and the fp32
+    ``row_scale``) are contiguous, (batch, heads, seqlen_q) or, varlen, (heads, total_q). A kernel
+    rather than a torch reduction, whose summation order torch.compile may change."""
     if options.sinks is None:
         return None
     dsinks = torch.empty_like(options.sinks)
@@ -447,5 +478,6 @@ def _sink_grad(options: AttentionOptions, lse, delta, wrap_kernel):
     else:
         stride_b, stride_h, num_batches, num_rows = lse.stride(0), lse.stride(1), lse.shape[0], lse.shape[2]
     wrap_kernel(_sink_grad_kernel)[(dsinks.numel(),)](
-        lse, delta, options.sinks, dsinks, stride_b, stride_h, num_batches, num_rows, BLOCK=256)
+        lse, delta, delta if row_scale is None else row_scale, options.sinks, dsinks, stride_b, stride_h, num_batches,
+        num_rows, BLOCK=256, SCALED=row_scale is not None)
     return dsinks
