@@ -39,6 +39,7 @@ import triton.language as tl
 
 from . import hopper_route
 from .configs import head_dim_chunks
+from .forward import reciprocal
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
     launch_fitting, launch_plan, on_tensor_device, precision_mode,
@@ -327,25 +328,28 @@ def _attn_bwd_dq_kernel(
     p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MASK_LEFT & VARIANT:  # key tiles crossing the window's left edge
         dq_a, dq_b, p_sum = _dq_key_loop(
-            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
+            stride_kn, stride_vn,
             offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
     dq_a, dq_b, p_sum = _dq_key_loop(
-        dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+        dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
+        stride_kn, stride_vn,
         offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
         BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
     )
     if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
         dq_a, dq_b, p_sum = _dq_key_loop(
-            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
+            stride_kn, stride_vn,
             offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
             BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
         )
     if FP32_EXACT & VARIANT:
         if SINKS & VARIANT:
             p_sum += exp_logits(sink - lse_units, VARIANT)
-        row_scale = 1.0 / tl.where(p_sum > 0, p_sum, 1.0)  # (rows that see nothing: P = 0 anyway)
+        row_scale = reciprocal(tl.where(p_sum > 0, p_sum, 1.0), VARIANT)  # (rows that see nothing: P = 0 anyway)
         scale_base = tile_base(RowScale, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         tl.store(scale_base + offs_m, row_scale, mask=offs_m < seqlen_q)
         dq_a, dq_b = dq_a * row_scale[:, None], dq_b * row_scale[:, None]
@@ -389,7 +393,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
     # fp32: the dQ kernel measures the rounding of the stored lse, 1 / c per row (RowScale), and runs
     # before the dK/dV kernel and the sinks' gradient, which take it (_attn_bwd_dq_kernel)
-    exact = q.dtype == torch.float32
+    exact = bool(matmul["VARIANT"] & FP32_EXACT.value)
     row_scale = layout.new_row_stats(q) if exact else delta  # (an unread stand-in otherwise)
     # (the dK/dV kernel has no warp-specialised loop, nor table entry: Triton 3.6 fails on it, NOTES v6)
     dkdv_plan = launch_plan("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)

@@ -157,8 +157,9 @@ def visible(q_idx, k_idx, seqlen_k, diag, window, VARIANT: tl.constexpr):
 def _tanh(x, VARIANT: tl.constexpr):
     """tanh of 2-byte inputs (fp32 ones take ``_tanh_exact``): with TANH_APPROX the GPU's
     tanh.approx.f32 (one special-function op, relative error 2^-11, flash-attn's choice for
-    2-byte inputs); else from exp2 (the interpreter has neither libdevice nor PTX): (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor
-    loses the sign, accurate to a few fp32 ulps."""
+    2-byte inputs); else from exp2 (the interpreter has neither libdevice nor PTX):
+    (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor loses the sign, accurate to
+    a few fp32 ulps."""
     if TANH_APPROX & VARIANT:
         return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -182,8 +183,8 @@ def _tanh_exact(x):
     e = tl.exp2(a * (-2.0 * LOG2E))
     x2 = x * x
     series = a + a * x2 * (TANH_C1 + x2 * (TANH_C2 + x2 * (TANH_C3 + x2 * (TANH_C4 + x2 * TANH_C5))))
-    t = tl.where(a < TANH_SERIES_BOUND, series, tl.math.div_rn(1.0 - e, 1.0 + e))
     one_plus_e = 1.0 + e
+    t = tl.where(a < TANH_SERIES_BOUND, series, tl.math.div_rn(1.0 - e, one_plus_e))
     return tl.where(x < 0, -t, t), tl.math.div_rn(4.0 * e, one_plus_e * one_plus_e)
 
 
