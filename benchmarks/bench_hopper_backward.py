@@ -13,7 +13,7 @@ triton.testing.do_bench medians:
 
 Every time is the median of 3 rounds that interleave all the measurements of a row.
 
-Hopper GPU only (NOTES v19-v22).
+Hopper GPU only (docs/design.md#hopper-gluon-kernels).
 
     python3 benchmarks/bench_hopper_backward.py [--seqlens 4096 16384] [--head-dim 128] [--softcap 50]
         [--dropout 0.1]
@@ -92,8 +92,8 @@ def measure(seqlen, heads, head_dim, causal, softcap, dropout):
               for a, b in zip(backward(taken)[:3], backward(())[:3])]
     pairs = seqlen * (seqlen + 1) / 2 if causal else seqlen * seqlen
     products = 2 * batch * heads * pairs * head_dim * 1e-9  # (GFLOP per product, per ms: TFLOP/s)
-    # what to time: (Gluon kernels, skipped kernel); interleaved over ROUNDS, medians, since the
-    # H200 lowers its clock under these kernels' power draw and a later measurement runs slower (NOTES v22)
+    # what to time: (Gluon kernels, skipped kernel); interleaved over ROUNDS, medians, since the H200 lowers
+    # its clock under these kernels' power draw and a later measurement runs slower (docs/benchmarks.md#method)
     cases = [(gluon, other) for name, other in (("dkdv", "dq"), ("dq", "dkdv")) if name in taken
              for gluon in ((), (name,))]
     routes = ((), ("dkdv",), ("dkdv", "dq"))[:1 + len(taken)]

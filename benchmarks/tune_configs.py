@@ -12,14 +12,14 @@ candidates). Run it with --seqlen 1024 / 2048 for the short-sequence entries (co
 With --warp-specialized it tunes the warp-specialised entries instead (the warp_specialized entries of configs.TABLES:
 forward and dQ kernel, non-causal, tiles through descriptors); it stops if the launch would not
 take that path here (launch.warp_specialize: a Hopper GPU and a checked Triton, or
-FLASH_ATTENTION_WS=1). Its candidates are those seen to compile on Triton 3.6 (benchmarks/NOTES.md,
-v6): a candidate that crashes the compiler aborts the sweep. Without it, the kernel being tuned
-runs its plain loop at every length.
+FLASH_ATTENTION_WS=1). Its candidates are those seen to compile on Triton 3.6
+(docs/design.md#warp-specialised-tl-loops): a candidate that crashes the compiler aborts the sweep.
+Without it, the kernel being tuned runs its plain loop at every length.
 
 Compilation dominates a sweep, so a first phase compiles every candidate in --jobs worker
 processes (filling Triton's on-disk cache) and the timing phase then runs on one process.
 Configs that do not fit (shared memory, registers) are reported and skipped. Copy the winners
-into configs.py by hand, with the date and device in the lab notebook (benchmarks/NOTES.md).
+into configs.py by hand, and record the run (date, device, command) with the change (docs/design.md#config-rules).
 
 Usage: python benchmarks/tune_configs.py [--head-dims 64 128 256] [--kernels fwd bwd_dkdv bwd_dq]
        [--seqlen 4096] [--layout bhsd] [--warp-specialized] [--jobs 8] [--out tune.json]
@@ -61,7 +61,7 @@ _TILES = {
 }
 CANDIDATES = {kernel: [tile + (tma,) for tile in tiles for tma in (False, True)] for kernel, tiles in _TILES.items()}
 # Warp-specialised loops read every tile through descriptors (tma=True); the dQ kernel only
-# compiles with 8 warps (NOTES v6), the dK/dV kernel not at all.
+# compiles with 8 warps (docs/design.md#warp-specialised-tl-loops), the dK/dV kernel not at all.
 WARP_SPECIALIZED_CANDIDATES = {
     "fwd": [(128, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 128, 4, 2, True), (128, 128, 8, 2, True),
             (128, 64, 8, 2, True)],

@@ -3,7 +3,7 @@
 bf16, head dim 128, 16 heads, 16k tokens; the launchers are called directly (no autograd), ten
 forward + backward calls under torch.profiler (warm L2, unlike do_bench, which clears it before
 each call). Prints, per row, the visible (query, key) pairs and each kernel's ms per call; the
-time per pair of a window row over plain causal's is its rate ratio (NOTES v23).
+time per pair of a window row over plain causal's is its rate ratio (docs/benchmarks.md#method).
 
 Usage (on a GPU): python benchmarks/window_kernel_times.py [--window 4096] [--rounds 2]
 """

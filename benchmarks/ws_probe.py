@@ -2,9 +2,9 @@
 
 With Triton 3.6 on an H200, ``tl.range(..., warp_specialize=True)`` crashed the compiler or returned
 wrong results for our forward in every 4-warp config tried while it read tiles through per-(batch,
-head) descriptors (benchmarks/NOTES.md, v5), although a minimal kernel gains 13-19 %; the kernels
+head) descriptors (docs/design.md#warp-specialised-tl-loops), although a minimal kernel gains 13-19 %; the kernels
 now take it only in the shape found to work (descriptors over the whole tensor, one loop of full
-tiles, v6). This script keeps that minimal kernel, non-causal,
+tiles). This script keeps that minimal kernel, non-causal,
 head dim 128, N a multiple of 128, descriptors over (B * H * N, D) rows, and adds one feature of
 ours at a time (flags, combinable), so a newer Triton can be re-checked in a minute:
 

@@ -395,7 +395,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     # before the dK/dV kernel and the sinks' gradient, which take it (_attn_bwd_dq_kernel)
     exact = bool(matmul["VARIANT"] & FP32_EXACT.value)
     row_scale = layout.new_row_stats(q) if exact else delta  # (an unread stand-in otherwise)
-    # (the dK/dV kernel has no warp-specialised loop, nor table entry: Triton 3.6 fails on it, NOTES v6)
+    # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
     dkdv_plan = launch_plan("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
     dq_plan = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
     if (dkdv_plan.tma or dq_plan.tma) and not interpreted:
@@ -403,7 +403,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     gluon_dq = hopper_route.dq(options, layout, interpreted, q, k, v, dout)
     # A plain dense tl dQ kernel computes delta itself and runs first, saving the preprocess launch
     # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
-    # that behind the extra prologue (benchmarks/NOTES.md, v7 and v8).
+    # that behind the extra prologue (docs/design.md#backward).
     delta_in_dq = not dq_plan.specialized and not layout.is_varlen and gluon_dq is None
 
     def launch_dq(config, specialized):

@@ -140,8 +140,8 @@ SEQLEN_BUCKETS = (1024, 2048)
 _FALLBACK_MASK = {"window": "causal"}
 
 # sm90: tuned by benchmarks/tune_configs.py on an H200 (Triton 3.6, N = 4096, 16k tokens, bf16;
-# see benchmarks/NOTES.md, v2 to v4; the causal d128 forward and dQ entries read through
-# descriptors since v9, 3-14 % faster in both layouts with and without options). tma=True reads
+# see docs/design.md#config-rules; the causal d128 forward and dQ entries read through
+# descriptors, 3-14 % faster in both layouts with and without options). tma=True reads
 # the tiles through tensor descriptors where the GPU and the inputs allow it (launch.use_tma),
 # plain loads elsewhere. Widths of two chunks (80, 96, 160, 192, ...) take the padded power of
 # two's entry where they have none.
@@ -202,7 +202,7 @@ _SM90 = ConfigTable(
         ("bwd_dq", 256): TileConfig(32, 16, 8, 1),
     },
     # Tuned with --seqlen 1024 / 2048 (at N = 512 too for the first bucket). The causal d128 dK/dV
-    # kernel takes 128-key tiles from 4k rows on and the smaller ones below (NOTES v8).
+    # kernel takes 128-key tiles from 4k rows on and the smaller ones below (docs/design.md#config-rules).
     short={
         1024: {
             ("fwd", 64, "causal"): TileConfig(64, 64, 4, 3),
@@ -215,9 +215,9 @@ _SM90 = ConfigTable(
             ("bwd_dkdv", 128, "causal"): TileConfig(32, 64, 4, 2),
         },
     },
-    # Only where they beat the plain loop on the H200 (NOTES v6): the plain loop is faster for the
-    # forward at widths 64, 80 and 96, for the dQ kernel below 4k rows, and for the dK/dV kernel
-    # always (Triton 3.6 also fails to compile it and the dQ kernel warp-specialised with 4 warps).
+    # Only where they beat the plain loop on the H200 (docs/design.md#warp-specialised-tl-loops): the
+    # plain loop is faster for the forward at widths 64, 80 and 96, for the dQ kernel below 4k rows, and for
+    # the dK/dV kernel always (Triton 3.6 crashes on it warp-specialised at 4 warps, as on the dQ kernel).
     warp_specialized={
         ("fwd", 128, "none"): (TileConfig(128, 128, 4, 2, tma=True), 0),
         ("fwd", 192, "none"): (TileConfig(128, 64, 4, 2, tma=True), 0),
@@ -226,7 +226,7 @@ _SM90 = ConfigTable(
     },
     # With dropout (scores.dropout_keep draws one Philox call per thread and 16 pairs), the dQ
     # kernel at width 128 is faster with 64-key tiles than with the 32-key tiles of its non-causal
-    # entry (H200, NOTES v11: 1.18-1.19x its dropout backward).
+    # entry (H200: 1.18-1.19x its dropout backward, docs/design.md#config-rules).
     dropout={
         ("bwd_dq", 128): TileConfig(128, 64, 8, 3, tma=True),
     },
@@ -252,7 +252,7 @@ _SM100 = ConfigTable(
 )
 
 # sm80 (163 KB, mma.sync): widths 64 and 128 tuned by benchmarks/tune_configs.py on an H200
-# emulating an A100 (mma.sync, 163 KB; N = 4096, 16k tokens, bf16; NOTES v13): four warps win
+# emulating an A100 (mma.sync, 163 KB; N = 4096, 16k tokens, bf16; docs/design.md#config-rules): four warps win
 # every kernel there, 1.04-1.23x over FlashAttention-2's eight-warp shapes. The other widths keep
 # FlashAttention-2's A100 shapes where they fit with few spills (resource_report.py --arch 80).
 # Not timed on an A100.
@@ -435,7 +435,7 @@ def decode_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: boo
     prefill; eight warps from 128 rows, four below), and the longest key tile (at most 32 KB, at
     most 32 scores per thread, which beyond spill registers) of which two stages fit, as deep a
     pipeline as the GPU's shared memory holds up to three stages (decode streams the cache once,
-    so the loads in flight set its speed). Measured on an H200 (benchmarks/NOTES.md, v16): bf16
+    so the loads in flight set its speed). Measured on an H200 (docs/design.md#decode): bf16
     d128 decode best at 16 x 128 x 4 warps x 3 stages; 512 queries x 32k keys 561 us at
     128 x 64 x 8 x 3 against 715 us at 64 x 128 x 4 x 3."""
     if "decode" in OVERRIDES:

@@ -284,7 +284,7 @@ def num_splits_heuristic(programs: int, key_tiles: int, num_sms: int, per_sm: in
     ``key_tiles`` key tiles each: none when they fill at least half of ``per_sm`` programs on each
     of the GPU's ``num_sms`` multiprocessors, else as many as make ``per_sm`` programs per
     multiprocessor, each keeping at least MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS. Measured
-    on an H200 (benchmarks/NOTES.md, v16): on a contiguous cache one program per multiprocessor
+    on an H200 (docs/design.md#decode): on a contiguous cache one program per multiprocessor
     beats two or more, whose shorter splits pay the pipeline's fill and the merge more often, down
     to splits of a single tile (batch 1, 1k keys: 8 splits 12.2 us, 2 splits 14.4 us); on a
     paged cache two do (Triton pipelines a gathered tile one buffer deep, as its loads wait on the

@@ -4,7 +4,7 @@
 formats a string cache key out of every argument's specialisation, checks the kernel's globals,
 and only then calls the compiled kernel's launcher. For a kernel of ~60 arguments that is 30-45 us
 of host time on an H200's host, longer than a decode step's whole kernel, so it, not the GPU,
-would set the speed of decoding (benchmarks/NOTES.md, v14).
+would set the speed of decoding (docs/design.md#decode).
 
 A ``DirectKernel`` launches the first call of each specialisation through JITFunction.run, keeps
 the CompiledKernel it returns, and calls that kernel's launcher directly from then on. Its key

@@ -3,7 +3,7 @@
 The tl dK/dV kernel (``backward._attn_bwd_dkdv_kernel``) runs its two warpgroups in lockstep
 through S -> P -> dP -> dS -> dV, dK for each query tile, so the per-score work between the
 products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the tensor cores idle
-(benchmarks/NOTES.md, v17). This kernel takes FlashAttention-3's structure instead:
+(docs/design.md#hopper-gluon-kernels). This kernel takes FlashAttention-3's structure instead:
 
 * one program per 128 keys of one KV head (dense batches); K and V stay in shared memory;
 * a producer warp streams the (Q, dO) tiles of 64 query rows, with those rows' lse and delta, for
@@ -48,7 +48,7 @@ QUERY_ROWS, KEY_ROWS = PROGRAM_TILES["hopper_dkdv"][0], PROGRAM_TILES["hopper_dk
 # Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements). Under
 # a window's left edge a program visits few query tiles, two of them masked and some released
 # unread, and a deeper ring keeps the producer ahead: +2-7% on the window backward at d128, where
-# the other variants lost 3-5% (benchmarks/NOTES.md, v29)
+# the other variants lost 3-5% (docs/design.md#gluon-dkdv)
 STAGES = {64: 4, 128: 3}
 WINDOW_STAGES = {64: 4, 128: 4}
 
@@ -183,7 +183,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rea
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     # what dropout_state needs: the state itself is formed again for each tile (even the seed,
     # loaded from L1), since held across the loop its registers doubled the causal kernel's
-    # spills (NOTES v21)
+    # spills (docs/design.md#gluon-dkdv)
     dropout = (RngState, dropout_threshold)
     # this warpgroup's query tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the
     # ones before lo and from hi_end on it does not see (streamed for the other warpgroup)

@@ -4,7 +4,7 @@ dK/dV kernel's structure (``hopper_dkdv``) turned around, keys streamed past res
 The tl dQ kernel (``backward._attn_bwd_dq_kernel``) runs its warps in lockstep through S -> P ->
 dP -> dS -> dQ for each key tile, so the per-score work between the products (exp2, the softcap's
 tanh and its gradient, the mask) leaves the tensor cores idle; under a softcap that made it 27%
-slower (benchmarks/NOTES.md, v21). Here:
+slower (docs/design.md#hopper-gluon-kernels). Here:
 
 * one program per 128 query rows of one query head (dense batches); their Q and dO stay in
   shared memory, their lse and delta in registers;
@@ -48,7 +48,7 @@ from .options import AttentionOptions
 
 # query rows per consumer warpgroup: the wgmma M of S and dQ; keys per ring buffer: the wgmma N
 # of S, K of dQ (the kernel and hopper_dropout.dropout_rows take 128 too: with half the ring it
-# measured within 2% of 64 either way and spills, NOTES v22)
+# measured within 2% of 64 either way and spills, docs/design.md#gluon-dq)
 QUERY_ROWS, KEY_ROWS = PROGRAM_TILES["hopper_dq"][0] // 2, PROGRAM_TILES["hopper_dq"][1]
 # Ring depth per head dim (shared memory: Q and dO 4 * 64 * d elements, each stage 2 * KEY_ROWS * d)
 STAGES = {64: 6, 128: 4}

@@ -16,7 +16,7 @@ Here, FlashAttention-3's schedule:
   waits for it and rescales O. The first tile's S is formed before the loop (a prologue that
   treats it as masked, whichever range it lies in) and the last tile's P V after it. ptxas moves
   the wait for P V up to the last product issued before it, so P_t is in fact formed after P V
-  has finished (NOTES v27). With dropout, whose draws make P's formation longest, the kernel takes
+  has finished (docs/design.md#gluon-forward). With dropout, whose draws make P's formation longest, the kernel takes
   a second schedule (SCORES_AHEAD): step t issues S_{t+1}, forms P_t while it runs, then rescales
   O and issues O += P_t V_t; the prologue forms the first S, the epilogue the last P and P V.
 
@@ -61,7 +61,7 @@ def forward_bits(options: AttentionOptions, dtype: torch.dtype) -> int:
     """The VARIANT bits the kernel reads beyond ``option_arguments``' (which serve the backward
     too): SINKS, FIXED_PIVOT where ``launch.kernel_variant`` allows it, and SCORES_AHEAD (the
     schedule that forms a tile's P while the next tile's S runs) with dropout, whose draws it
-    hides: +5-12% there, while the softcap and plain rows lost 2-10% with it (NOTES v27)."""
+    hides: +5-12% there, while the softcap and plain rows lost 2-10% with it (docs/design.md#gluon-forward)."""
     bits = kernel_variant(options, dtype, False, forward=True) & (SINKS | FIXED_PIVOT)
     return bits | (SCORES_AHEAD if options.dropout_p > 0 else 0)
 
@@ -168,7 +168,7 @@ def _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, 
     * SCORES_AHEAD (``carried`` is this tile's finished S product, its K and V in buffer
       ``i``): issue S of the next tile (buffer i + 1), form this tile's P while it runs, then
       rescale O and issue O += P V; here every wait follows a product issued behind the work it
-      is meant to overlap, which ptxas cannot move the wait above (NOTES v27)."""
+      is meant to overlap, which ptxas cannot move the wait above (docs/design.md#gluon-forward)."""
     if SCORES_AHEAD_ & VARIANT:
         idx = i % STAGES
         s_next = _issue_scores(q, k_bufs, ready, i + 1, S_LAYOUT, STAGES)

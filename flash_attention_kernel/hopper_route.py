@@ -11,8 +11,8 @@ per process (``_load``). If that import fails under some Triton, a warning names
 and every call takes the tl kernels, which run under every Triton from 3.4 on.
 
 ``FLASH_ATTENTION_GLUON``: unset, the Gluon kernels run on every call they take, under a Triton in
-``CHECKED_VERSIONS`` (they are faster than the tl kernels on each, benchmarks/NOTES.md v20, v22,
-v24); "1" also under other Tritons (the import may then fail, as above); "0" never.
+``CHECKED_VERSIONS`` (they are faster than the tl kernels on each, docs/benchmarks.md#hopper-kernels
+and docs/design.md#hopper-gluon-kernels); "1" also under other Tritons (the import may then fail, as above); "0" never.
 """
 
 import importlib
@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .launch import SequenceLayout, _splits_into_rows, _tma_possible
 from .options import ALIBI, DROPOUT, MASK_LEFT, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
 
-# Triton releases under which the Gluon kernels ran the GPU suite (benchmarks/NOTES.md, v19, v20, v22, v24)
+# Triton releases under which the Gluon kernels ran the GPU suite (docs/design.md#constants)
 CHECKED_VERSIONS = ("3.6.", "3.9.")
 HEAD_DIMS = (64, 128)
 
@@ -53,7 +53,7 @@ def forward(options: AttentionOptions, layout: SequenceLayout, interpreted: bool
 def dq(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, *tensors: torch.Tensor):
     """``hopper_dq.attention_dq`` if it runs this dQ (``tensors``: q, k, v, dout), else None.
     Dropout without causal masking stays on the tl kernel, which is 4% faster there (the Philox
-    draws weigh more against this kernel's products, NOTES v22)."""
+    draws weigh more against this kernel's products, docs/design.md#gluon-dq)."""
     allowed = ALL_OPTIONS & ~(0 if options.causal else DROPOUT)
     module = _route("hopper_dq", options, layout, interpreted, tensors, allowed)
     return module and module.attention_dq

@@ -56,8 +56,8 @@ def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
 
 
 # Triton versions whose Hopper warp specialisation computes our forward correctly: checked on an
-# H200 with the GPU test suite (benchmarks/NOTES.md, v6). Triton 3.6 miscompiles other shapes of
-# the same loop silently (v5), so an unchecked version keeps the plain pipelined loop.
+# H200 with the GPU test suite (docs/design.md#warp-specialised-tl-loops). Triton 3.6 miscompiles
+# other shapes of the same loop silently, so an unchecked version keeps the plain pipelined loop.
 WARP_SPECIALIZATION_CHECKED = ("3.6.",)
 INT32_MAX = 2 ** 31 - 1  # (total_k of a paged cache: no row bound, SequenceLayout.cu_seqlens)
 # Options whose kernels keep the warp-specialised loop's shape (tests/test_warp_specialization.py)
@@ -317,7 +317,7 @@ def kernel_variant(options: AttentionOptions, dtype: torch.dtype, interpreted: b
       gives the row's largest key P = 1 exactly; rows of one key then return their value exactly,
       as PyTorch's softmax does, rather than within half a bf16 ulp of it.
     * WIDE_PRODUCTS where dropout runs compiled in the ``forward`` kernel: Philox's products by
-      inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (NOTES v21).
+      inline mul.wide.u32, 5-6 % faster there; no faster in the dQ kernel (docs/design.md#options).
     * FP32_EXACT for fp32 inputs: the forms that keep fp32 within PyTorch's own error (issue 39),
       logits in natural units (``options.AttentionOptions.kernel_args`` passes them so), hence no
       FIXED_PIVOT, whose headroom is counted in base 2."""

@@ -136,7 +136,7 @@ def tensor_tile_descriptors(tensor_ptr, batch, head, num_batches, num_heads, seq
     past the slice's last row or last column read the neighbouring slice instead of zeros.
 
     The warp-specialised forward needs these: Triton 3.6 miscompiles it with per-slice
-    descriptors, whose base pointer moves with the program (benchmarks/NOTES.md, v5 and v6)."""
+    descriptors, whose base pointer moves with the program (docs/design.md#warp-specialised-tl-loops)."""
     head_rows = stride_head // stride_row
     head_cols = stride_head % stride_row
     batch_rows = stride_batch // stride_row

@@ -18,7 +18,7 @@ checks in a fresh process:
 Usage: python scripts/triton_matrix.py [--checks import,compile,run] VERSION [VERSION ...]
        (default: every check a version supports; exit status 1 if any check fails)
 The GPU half of the matrix (the suite's core on an H100 under a packed Triton) is
-../shared/tools/device-triton's; benchmarks/NOTES.md and the README give both tables.
+../shared/tools/device-triton's; docs/gpus.md#triton-releases gives both.
 """
 
 import argparse

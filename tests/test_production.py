@@ -217,7 +217,7 @@ def test_empty_varlen_sequences_never_make_nan(fa):
 # q and k scaled so that logits reach about scale^2: fp16 to its range, fp32 to 1e30. bf16 to 1e6:
 # the 2-byte path forms exp2(s * scale_log2 - pivot) in one FMA, whose unrounded product leaves the
 # row's largest key an exponent of up to half an ulp of the pivot, which overflows once base-2
-# logits pass 2^24 (about 1e7; an H100 gave NaN rows from 1e16 on). A known limit, in the README.
+# logits pass 2^24 (about 1e7; an H100 gave NaN rows from 1e16 on). A known limit: docs/production.md#known-limits.
 LARGE = {"float16": (torch.float16, 60.0), "bfloat16": (BF16, 1e3), "float32": (torch.float32, 1e15)}
 
 
