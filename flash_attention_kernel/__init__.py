@@ -49,6 +49,10 @@ from .options import AttentionOptions, draw_rng_state
 from .probabilities import attention_probabilities
 from .rotary import apply_rotary
 
+# The package's version: build.toml's general.version, the major version (Hub branch v<version>)
+# that kernels.get_kernel(..., version=...) loads; tests/test_package.py checks that they agree.
+__version__ = "1"
+
 
 def interpreter_active() -> bool:
     """True when the kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""

@@ -32,6 +32,15 @@ def test_build_toml_parses_with_kernels():
     assert "triton" not in general.get("python-depends", []), "listing triton makes loading fail"
 
 
+def test_version_is_build_toml_version(fa):
+    """__version__, defined once in flash_attention_kernel/__init__.py, is build.toml's major version,
+    which the built metadata.json carries and get_kernel(..., version=...) resolves."""
+    import tomllib
+
+    version = tomllib.loads((REPO_ROOT / "build.toml").read_text())["general"]["version"]
+    assert fa.__version__ == fa.flash_attention_kernel.__version__ == str(version)
+
+
 def test_torch_ext_links_every_kernel_file():
     """torch-ext/flash_attention/flash_attention_kernel/ links each kernel file (one source of truth)."""
     linked = REPO_ROOT / "torch-ext" / "flash_attention" / "flash_attention_kernel"

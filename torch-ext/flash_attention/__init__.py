@@ -23,10 +23,14 @@ Layers of the package:
   unique torch.ops namespace.
 * ``flash_attention_kernel/``: the Triton kernels and launchers, one module each as its docstring
   lists (copied from the repository's top-level ``flash_attention_kernel/`` at build time).
+
+``__version__`` is the kernels' (``flash_attention_kernel.__version__``): the major version that
+``get_kernel(..., version=...)`` loads.
 """
 
 from . import bert_padding, layers, modules, rotary
 from ._ops import ops
+from .flash_attention_kernel import __version__
 from .interface import (
     flash_attention_forward,
     flash_attn_func,
