@@ -18,15 +18,27 @@ def _repo_id() -> str:
 
 
 def test_build_toml_parses_with_kernels():
-    """kernels' own (kernel-builder's) parser accepts build.toml as a CUDA noarch kernel."""
-    from kernels._rust import Backend, Build
+    """kernels' own (kernel-builder's) parser accepts build.toml as a noarch kernel whose backends are
+    the variants scripts/build_variants.py writes (kernel-builder builds one torch-<backend> per entry)."""
+    from kernels._rust import Build
+
+    import build_variants
 
     build = Build.open(REPO_ROOT)
-    assert build.general.backends == [Backend.CUDA]
+    assert [str(backend) for backend in build.general.backends] == list(build_variants.BACKENDS)
     import tomllib
 
     general = tomllib.loads((REPO_ROOT / "build.toml").read_text())["general"]
     assert "triton" not in general.get("python-depends", []), "listing triton makes loading fail"
+
+
+def test_version_is_build_toml_version(fa):
+    """__version__, defined once in flash_attention_kernel/__init__.py, is build.toml's major version,
+    which the built metadata.json carries and get_kernel(..., version=...) resolves."""
+    import tomllib
+
+    version = tomllib.loads((REPO_ROOT / "build.toml").read_text())["general"]["version"]
+    assert fa.__version__ == fa.flash_attention_kernel.__version__ == str(version)
 
 
 def test_torch_ext_links_every_kernel_file():

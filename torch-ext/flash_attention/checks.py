@@ -208,8 +208,8 @@ def _per_head_tensor(name: str, x, q: torch.Tensor, shapes: dict, dtypes, dtype_
     return x.contiguous()
 
 
-def attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, s_aux) -> AttentionOptions:
+def checked_attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, s_aux) -> AttentionOptions:
     """The validated options of a call on ``q`` (heads on dim -2) with ``batch`` sequences, with
     dropout's RNG state drawn from PyTorch's generator when dropout_p > 0."""
     heads, head_dim = q.shape[-2:]

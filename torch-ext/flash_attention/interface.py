@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .checks import attention_options, check_packed, check_paged_kv, check_qkv, check_varlen
+from .checks import check_packed, check_paged_kv, check_qkv, check_varlen, checked_attention_options
 from .torch_ops import run_op
 
 DENSE = "(batch, seqlen, nheads, headdim)"
@@ -41,7 +41,8 @@ def _run(op: str, inputs: tuple, q, k, layout: tuple, batch: int, dropout_p, sof
          softcap, alibi_slopes, s_aux, return_attn_probs):
     """Forward op ``op`` on ``inputs`` (q, k: the query and key tensors among them) with the
     sequence ``layout`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) and the options."""
-    options = attention_options(q, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
+    options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        s_aux)
     out, softmax_lse = run_op(op, *inputs, *layout, *options.flatten())
     if not return_attn_probs:
         return out

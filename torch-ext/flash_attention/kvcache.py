@@ -30,7 +30,7 @@ from typing import Optional, Union
 import torch
 
 from .checks import (
-    DEBUG_CHECKS_ENV, PAGED, attention_options, check_block_table, check_qkv, check_table_entries, check_tensor,
+    DEBUG_CHECKS_ENV, PAGED, check_block_table, check_qkv, check_table_entries, check_tensor, checked_attention_options,
 )
 from .flash_attention_kernel.decode import MAX_SPLITS
 from .torch_ops import run_kvcache
@@ -64,7 +64,8 @@ def flash_attn_with_kvcache(
     """See the module docstring. Returns out, or (out, softmax_lse) with return_softmax_lse."""
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table)
     cache_seqlens, cache_seqlen = checked_kvcache(tensors, cache_seqlens, num_splits)
-    options = attention_options(q, q.shape[0], 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
+    options = checked_attention_options(q, q.shape[0], 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        s_aux)
     out, softmax_lse = run_kvcache(options, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    cache_batch_idx, cache_leftpad, block_table, cache_seqlen, bool(rotary_interleaved),
                                    num_splits)

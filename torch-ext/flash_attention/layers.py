@@ -39,7 +39,7 @@ from .interface import (
 )
 
 
-def attention_options(module: nn.Module, causal: Optional[bool] = None) -> dict:
+def host_attention_kwargs(module: nn.Module, causal: Optional[bool] = None) -> dict:
     """The options a host module holds, as keyword arguments of the public functions and of
     flash_attn_with_kvcache (no dropout or deterministic); ``causal`` overrides the host's."""
     slopes = getattr(module, "alibi_slopes", None)
@@ -52,11 +52,11 @@ def attention_options(module: nn.Module, causal: Optional[bool] = None) -> dict:
     )
 
 
-def _training_options(module: nn.Module, causal: Optional[bool]) -> dict:
-    """attention_options plus dropout (the host's drop.p in training mode, else 0) and deterministic."""
+def _host_training_kwargs(module: nn.Module, causal: Optional[bool]) -> dict:
+    """host_attention_kwargs plus dropout (the host's drop.p in training mode, else 0) and deterministic."""
     drop = getattr(module, "drop", None)
     dropout_p = drop.p if module.training and drop is not None else 0.0
-    return dict(attention_options(module, causal), dropout_p=dropout_p,
+    return dict(host_attention_kwargs(module, causal), dropout_p=dropout_p,
                 deterministic=getattr(module, "deterministic", False))
 
 
@@ -85,7 +85,7 @@ class FlashSelfAttention(nn.Module):
 
     def forward(self, qkv: torch.Tensor, causal: Optional[bool] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 max_seqlen: Optional[int] = None) -> torch.Tensor:
-        options = _training_options(self, causal)
+        options = _host_training_kwargs(self, causal)
         if _check_varlen({"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}):
             return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **options)
         return flash_attn_qkvpacked_func(qkv, **options)
@@ -108,7 +108,7 @@ class FlashCrossAttention(nn.Module):
     def forward(self, q: torch.Tensor, kv: torch.Tensor, causal: Optional[bool] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                 cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_k: Optional[int] = None) -> torch.Tensor:
-        options = _training_options(self, causal)
+        options = _host_training_kwargs(self, causal)
         if _check_varlen({"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "cu_seqlens_k": cu_seqlens_k,
                           "max_seqlen_k": max_seqlen_k}):
             return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
@@ -132,5 +132,5 @@ class FlashAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              **_training_options(self, None))
+                              **_host_training_kwargs(self, None))
         return out.transpose(1, 2)

@@ -301,4 +301,4 @@ class MHA(nn.Module):
             rotary = dict(rotary_cos=self.rotary_emb._cos_cached, rotary_sin=self.rotary_emb._sin_cached,
                           rotary_interleaved=self.rotary_emb.interleaved)
         return flash_attn_with_kvcache(q, cache[:, :, 0], cache[:, :, 1], kv[:, :, 0], kv[:, :, 1],
-                                       cache_seqlens=cache_seqlens, **layers.attention_options(attention), **rotary)
+                                       cache_seqlens=cache_seqlens, **layers.host_attention_kwargs(attention), **rotary)
