@@ -50,13 +50,12 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .scores import (
-    DROPOUT, FIXED_PIVOT, FP32_EXACT, MASK_LEFT, dropout_keep, exp_logits, head_options, key_tile_ranges, logit_unit,
-    logits, query_tile_start, row_start,
+    DROPOUT, FIXED_PIVOT, FP32_EXACT, LN2, MASK_LEFT, dropout_keep, exp_logits, head_options, key_tile_ranges,
+    logit_unit, logits, query_tile_start, row_start,
 )
 from .tiles import kv_sources, load_kv_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, \
     sequence_span, slice_descriptors, store_tile, tile_base
 
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

@@ -47,7 +47,7 @@ from .hopper_gluon import (
 )
 from .hopper_route import PROGRAM_TILES
 from .launch import SequenceLayout, kernel_variant
-from .options import FIXED_PIVOT, SCORES_AHEAD, SINKS, AttentionOptions
+from .options import FIXED_PIVOT, LN2, SCORES_AHEAD, SINKS, AttentionOptions
 from .scores import PIVOT_HEADROOM
 
 # query rows per consumer warpgroup (the wgmma M of S and O), keys per ring buffer (the wgmma N of S, K of P V)
@@ -88,7 +88,7 @@ ROWS = gl.constexpr(QUERY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
 REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
 SINKS_, FIXED_PIVOT_, SCORES_AHEAD_ = gl.constexpr(SINKS), gl.constexpr(FIXED_PIVOT), gl.constexpr(SCORES_AHEAD)
-LN2_ = gl.constexpr(0.6931471805599453)
+LN2_ = gl.constexpr(LN2)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_row, q_col, k_row, k_col, v_row, v_col, q_smem, k_bufs, v_bufs, q_bar,

@@ -31,13 +31,16 @@ from typing import Optional
 
 import torch
 
+# The one home of the kernels' constants and VARIANT bits: the tl kernels take them as constexprs
+# through scores.py, the Gluon kernels through hopper_gluon.py, each wrapping these values.
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 # A window bound past any sequence length means the same as this one, which keeps the kernels'
 # int32 index arithmetic (index + diag +- bound) from overflowing.
 MAX_WINDOW = 2 ** 30
 
-# VARIANT bits (scores.py holds the same values as constexprs)
+# VARIANT bits
 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, SINKS, DROPOUT, TANH_APPROX, FIXED_PIVOT = 1, 2, 4, 8, 16, 32, 64, 128
 WIDE_PRODUCTS = 256
 SCORES_AHEAD = 512  # the Gluon forward's schedule for dropout (hopper_forward)

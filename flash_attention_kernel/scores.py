@@ -48,19 +48,22 @@ with the window, not with the sequence.
 import triton
 import triton.language as tl
 
-MASK_LEFT = tl.constexpr(1)
-MASK_RIGHT = tl.constexpr(2)
-SOFTCAP = tl.constexpr(4)
-ALIBI = tl.constexpr(8)
-SINKS = tl.constexpr(16)
-DROPOUT = tl.constexpr(32)
-TANH_APPROX = tl.constexpr(64)  # the softcap's tanh through the GPU's tanh.approx.f32 (launch.kernel_variant)
-FIXED_PIVOT = tl.constexpr(128)  # (and its headroom) launch.kernel_variant
-WIDE_PRODUCTS = tl.constexpr(256)  # Philox's products by mul.wide.u32 (launch.kernel_variant)
-PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2^32
-FP32_EXACT = tl.constexpr(1024)  # fp32 inputs (launch.kernel_variant); 512 is options.SCORES_AHEAD
+from . import options as host  # (the values' one home)
 
-LOG2E = tl.constexpr(1.4426950408889634)
+MASK_LEFT = tl.constexpr(host.MASK_LEFT)
+MASK_RIGHT = tl.constexpr(host.MASK_RIGHT)
+SOFTCAP = tl.constexpr(host.SOFTCAP)
+ALIBI = tl.constexpr(host.ALIBI)
+SINKS = tl.constexpr(host.SINKS)
+DROPOUT = tl.constexpr(host.DROPOUT)
+TANH_APPROX = tl.constexpr(host.TANH_APPROX)  # the softcap's tanh through the GPU's tanh.approx.f32 (launch.kernel_variant)
+FIXED_PIVOT = tl.constexpr(host.FIXED_PIVOT)  # (and its headroom) launch.kernel_variant
+WIDE_PRODUCTS = tl.constexpr(host.WIDE_PRODUCTS)  # Philox's products by mul.wide.u32 (launch.kernel_variant)
+PIVOT_HEADROOM = tl.constexpr(32.0)  # FIXED_PIVOT: p = exp2(logit - pivot) <= 2^32
+FP32_EXACT = tl.constexpr(host.FP32_EXACT)  # fp32 inputs (launch.kernel_variant)
+
+LOG2E = tl.constexpr(host.LOG2E)
+LN2 = tl.constexpr(host.LN2)
 # tanh x = x (1 + x^2 (c1 + x^2 (c2 + ...))) on |x| < TANH_SERIES_BOUND: Taylor coefficients, the first
 # term left out below 2^-32 relative at the bound (FP32_EXACT, ``_tanh_exact``)
 TANH_SERIES_BOUND = tl.constexpr(0.25)
