@@ -1,1 +1,0 @@
-../../../flash_attention_kernel/options.py
