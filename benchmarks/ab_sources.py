@@ -1,9 +1,11 @@
 """Interleaved A/B of kernel sources: several copies of flash_attention_kernel in one process.
 
 Each copy is imported under its own name from a folder of copies (e.g. the last landed commit's
-`git archive <rev> flash_attention_kernel` renamed fa_base, and the working tree's copy renamed
-fa_new), so the rows of every copy are timed in the same rounds on the same warm GPU: a row's
-copies are timed one after another, three rounds, medians of triton.testing.do_bench medians.
+`git archive <rev> torch-ext/flash_attention/flash_attention_kernel` renamed fa_base, and the
+working tree's copy renamed fa_new; revisions before the kernels moved into torch-ext/ hold them
+at the top-level flash_attention_kernel/), so the rows of every copy are timed in the same rounds
+on the same warm GPU: a row's copies are timed one after another, three rounds, medians of
+triton.testing.do_bench medians.
 The launchers are called directly (attention_forward / attention_backward, no autograd), bf16,
 head dim 128, 16 heads, 16k tokens, (batch, seqlen, heads, dim); FLOPs on the visible pairs as
 bench_variants.py counts them.

@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch-ext", "flash_attention"))
 from flash_attention_kernel import AttentionOptions, attention_backward, attention_forward  # noqa: E402
 from flash_attention_kernel import backward as tl_backward  # noqa: E402
 from flash_attention_kernel import hopper_dkdv, hopper_dq, hopper_route  # noqa: E402

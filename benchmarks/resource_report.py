@@ -46,7 +46,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch-ext" / "flash_attention"))
 
 from flash_attention_kernel import backward, configs, decode, forward, launch, options  # noqa: E402
 

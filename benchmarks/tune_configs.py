@@ -37,7 +37,7 @@ import triton
 import triton.testing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "torch-ext" / "flash_attention"))
 
 from flash_attention_kernel import AttentionOptions, attention_backward, attention_forward  # noqa: E402
 from flash_attention_kernel import configs  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch-ext" / "flash_attention"))
 import flash_attention_kernel as fk  # noqa: E402
 
 HEADS, HEAD_DIM, TOKENS, CALLS = 16, 128, 16384, 10

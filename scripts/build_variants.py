@@ -3,9 +3,11 @@
 Reproduces what kernel-builder's noarch builder writes for a ``[torch-noarch]`` kernel, so the
 package can be loaded offline with ``kernels.get_local_kernel`` or ``LOCAL_KERNELS``:
 
-* a copy of torch-ext/<module>/ made of real files: symlinks (the package links the kernel files
-  of the top-level flash_attention_kernel/, their single source) are copied as the files they point
-  to, and bytecode is dropped;
+* a copy of torch-ext/<module>/ (the kernels included: they live in
+  torch-ext/flash_attention/flash_attention_kernel/), bytecode dropped. The source must be real
+  files: kernel-builder's source set (nix-builder/lib/source-set.nix) is torch-ext's Python files,
+  a symlink kept as a link, so a link to a file outside torch-ext would ship dangling; this build
+  refuses one rather than copy what it points to;
 * a generated ``_ops.py`` that defines the build's unique torch.ops namespace
   ``_<module>_<backend>_<id>`` and ``add_op_namespace_prefix``;
 * ``metadata.json`` with the name, a unique id (the same string as the namespace), version,
@@ -57,9 +59,12 @@ def _build_id(repo_root: Path) -> str:
 
 
 def _copy_real_files(src: Path, dst: Path) -> None:
-    """Copy every file under src (following symlinks), skipping bytecode, as kernel-builder does."""
+    """Copy every file under src, skipping bytecode, as kernel-builder does; a symlink is an error
+    (kernel-builder would ship the link, not the file it points to)."""
     for item in sorted(src.rglob("*")):
         rel = item.relative_to(src)
+        if item.is_symlink():
+            raise ValueError(f"{item} is a symlink: the Hub build ships only real files under torch-ext/")
         if not item.is_file() or item.suffix == ".pyc" or "__pycache__" in rel.parts:
             continue
         target = dst / rel

@@ -133,7 +133,7 @@ def reports(tool: str, output: str) -> dict:
 
 def source_line(location: str) -> str:
     name, line = location.rsplit(":", 1)
-    for folder in (REPO_ROOT / "flash_attention_kernel", REPO_ROOT / "scripts"):
+    for folder in (REPO_ROOT / "torch-ext" / "flash_attention" / "flash_attention_kernel", REPO_ROOT / "scripts"):
         if (folder / name).exists() and int(line) > 0:
             return (folder / name).read_text().splitlines()[int(line) - 1]
     return ""

@@ -7,8 +7,9 @@ For each version asked for, this installs that Triton's wheel (no dependencies) 
 ``.tritons/VERSION`` once, puts it first on PYTHONPATH beside the environment's torch, and runs the
 checks in a fresh process:
 
-* import: ``import flash_attention_kernel`` from the source tree and the built Hub variant through
-  ``kernels.get_local_kernel`` (as users load it), with no Gluon kernel module imported by either;
+* import: ``import flash_attention_kernel`` from the source tree (torch-ext/flash_attention/) and
+  the built Hub variant through ``kernels.get_local_kernel`` (as users load it), with no Gluon
+  kernel module imported by either;
 * compile: every config-table entry of the sm_80 and sm_90 classes cross-compiled to a cubin with
   that Triton's compiler and ptxas, as that Triton would run it
   (``benchmarks/resource_report.py --table sm80 sm90 --as-run``): forward, dQ, dK/dV, KV cache;
@@ -40,7 +41,7 @@ SMOKE_TESTS = ["tests/test_correctness.py", "tests/test_varlen.py", "tests/test_
 _IMPORT_CHECK = """
 import sys, tempfile, pathlib
 import torch, triton
-sys.path.insert(0, {repo!r}); sys.path.insert(0, {repo!r} + "/scripts")
+sys.path.insert(0, {repo!r} + "/torch-ext/flash_attention"); sys.path.insert(0, {repo!r} + "/scripts")
 assert triton.__version__ == {version!r}, f"found triton {{triton.__version__}} at {{triton.__file__}}"
 import flash_attention_kernel
 import build_variants, kernels

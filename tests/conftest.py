@@ -24,10 +24,13 @@ if not ON_GPU:
 import kernels  # noqa: E402  (imports triton)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# the source package's folder: tests that drive one kernel module directly put it on sys.path and
+# import its flash_attention_kernel/ as a top-level package
+PACKAGE_SOURCE = REPO_ROOT / "torch-ext" / "flash_attention"
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import build_variants  # noqa: E402
 
-__all__ = ["DEVICE", "ON_GPU", "REPO_ROOT"]
+__all__ = ["DEVICE", "ON_GPU", "PACKAGE_SOURCE", "REPO_ROOT"]
 
 
 @pytest.fixture(scope="session")

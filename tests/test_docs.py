@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKDOWN = [ROOT / "README.md", ROOT / "benchmarks" / "NOTES.md", *sorted((ROOT / "docs").glob("*.md"))]
-CODE_DIRS = ("flash_attention_kernel", "torch-ext", "scripts", "benchmarks", "tests")
+CODE_DIRS = ("torch-ext", "scripts", "benchmarks", "tests")
 README_MAX_LINES = 250
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -83,8 +83,7 @@ def test_code_pointers_resolve():
 def test_code_cites_docs_not_the_notebook():
     """The notebook is an archive: code points to docs/, not to its versions."""
     cites = [f"{source.relative_to(ROOT)}:{number}"
-             for folder in ("flash_attention_kernel", "torch-ext")
-             for source in sorted((ROOT / folder).rglob("*.py"))
+             for source in sorted((ROOT / "torch-ext").rglob("*.py"))
              for number, line in enumerate(source.read_text().splitlines(), 1)
              if re.search(r"NOTES(\.md)?,? v\d", line)]
     assert not cites, cites

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import DEVICE, REPO_ROOT
+from conftest import DEVICE, PACKAGE_SOURCE
 
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(PACKAGE_SOURCE))
 from flash_attention_kernel import scores  # noqa: E402  (the source the built package copies)
 
 SEED, STREAM, OFFSET, THRESHOLD = 0x1234_5678_9ABC_DEF1, 37, 0xDEAD_BEEF, 26  # threshold: p = 0.1

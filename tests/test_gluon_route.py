@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO_ROOT
+from conftest import PACKAGE_SOURCE
 
 GLUON_MODULES = ("hopper_gluon", "hopper_forward", "hopper_dq", "hopper_dkdv", "hopper_dropout")
 
@@ -23,7 +23,7 @@ def test_import_loads_no_gluon_kernel(build_dir):
     module (a fresh process: this one may have loaded them for other tests)."""
     script = f"""
 import sys
-sys.path.insert(0, {str(REPO_ROOT)!r})
+sys.path.insert(0, {str(PACKAGE_SOURCE)!r})
 import flash_attention_kernel, kernels, pathlib
 fa = kernels.get_local_kernel(pathlib.Path({str(build_dir)!r}))
 fa.flash_attn_func  # (the public API is there)

@@ -1,1 +1,124 @@
-../../../flash_attention_kernel/direct_launch.py
+"""Launching compiled Triton kernels again without JITFunction.run's per-call work.
+
+``kernel[grid](*args)`` goes through JITFunction.run on every call: it binds the arguments,
+formats a string cache key out of every argument's specialisation, checks the kernel's globals,
+and only then calls the compiled kernel's launcher. For a kernel of ~60 arguments that is 30-45 us
+of host time on an H200's host, longer than a decode step's whole kernel, so it, not the GPU,
+would set the speed of decoding (docs/design.md#decode).
+
+A ``DirectKernel`` launches the first call of each specialisation through JITFunction.run, keeps
+the CompiledKernel it returns, and calls that kernel's launcher directly from then on. Its key
+holds every fact Triton specialises a launch on, or finer ones: the current device, the
+constexpr and launch keywords, the arguments' types, each tensor's dtype and 16-byte alignment,
+the value of each int the kernel specialises (Triton keeps whether it is 1 or a multiple of 16)
+and of every argument of another type, and the range of the other ints. A finer key only costs
+an extra lookup through JITFunction.run, so it can never launch a kernel compiled for other
+arguments. The key is built from getters made once per tuple of argument types, as it is built
+on every launch.
+
+Direct launches are used only where they were checked: Triton versions in CHECKED_TRITON, eager
+calls (torch.compile traces wrap_triton's launches instead), compiled kernels (not the
+interpreter), and no launch hooks (a profiler sets them; JITFunction.run then calls them).
+FLASH_ATTENTION_DIRECT_LAUNCH=0 turns them off.
+"""
+
+import functools
+import operator
+import os
+
+import torch
+import triton
+
+try:
+    from triton import knobs
+except ImportError:  # Triton before 3.4 (launcher() never returns a DirectKernel there)
+    knobs = None
+
+from .launch import identity_wrap, is_interpreted
+
+CHECKED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
+_INT32 = range(-2 ** 31, 2 ** 31)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: since Triton 3.6 hooks are chains (``HookChain``), empty
+    when none is set; before, a callable or None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class DirectKernel:
+    """``kernel[grid](*runtime_args, **constexprs_and_launch_options)`` with the direct launch of
+    the module docstring. The kernel's constexpr parameters must follow all of its runtime ones,
+    and calls pass the runtime ones positionally and the constexprs by keyword."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        params = kernel.params
+        runtime = [p for p in params if not p.is_constexpr]
+        if params[:len(runtime)] != runtime:
+            raise ValueError(f"{kernel.__name__}: constexpr parameters must follow the runtime ones")
+        self.specialized = [not p.do_not_specialize for p in runtime]
+        self.constexpr_names = [p.name for p in params if p.is_constexpr]
+        self.compiled = {}
+        self.kinds = {}  # argument types -> _ArgumentKinds
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **keywords):
+        device = torch.cuda.current_device()
+        types = tuple(map(type, args))
+        kinds = self.kinds.get(types)
+        if kinds is None:
+            kinds = self.kinds[types] = _ArgumentKinds(types, self.specialized)
+        tensors = kinds.tensors(args)
+        key = (device, types, *keywords.values(), *kinds.by_value(args), *[x.dtype for x in tensors],
+               *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(args)])
+        entry = self.compiled.get(key)
+        if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            compiled = self.kernel[grid](*args, **keywords)
+            self.compiled[key] = compiled, tuple(keywords[name] for name in self.constexpr_names)
+            return
+        compiled, constexprs = entry
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        compiled.run(*grid, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *constexprs)
+
+
+class _ArgumentKinds:
+    """For one tuple of argument types: getters of the tensors (keyed by dtype and alignment), of
+    the ints the kernel specialises and the arguments of other types (keyed by value: finer than
+    Triton's facts about them), and of the ints it does not (keyed by range)."""
+
+    def __init__(self, types: tuple, specialized: list):
+        def positions(wanted):
+            return [i for i, (kind, special) in enumerate(zip(types, specialized)) if wanted(kind, special)]
+
+        tensors = positions(lambda kind, special: issubclass(kind, torch.Tensor))
+        by_range = positions(lambda kind, special: issubclass(kind, int) and kind is not bool and not special)
+        by_value = sorted(set(range(len(types))) - set(tensors) - set(by_range))
+        self.tensors, self.by_value, self.by_range = (_getter(p) for p in (tensors, by_value, by_range))
+
+
+def _getter(positions: list):
+    """args -> the tuple of args at ``positions`` (operator.itemgetter, which returns a bare item
+    for one position)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        return lambda args: (args[positions[0]],)
+    return operator.itemgetter(*positions)
+
+
+@functools.lru_cache(maxsize=None)
+def _direct(kernel) -> DirectKernel:
+    return DirectKernel(kernel)
+
+
+def launcher(kernel, wrap_kernel=identity_wrap):
+    """What to launch ``kernel`` through: its DirectKernel for eager launches where direct
+    launches are checked (module docstring), else ``wrap_kernel(kernel)``."""
+    if (wrap_kernel is not identity_wrap or is_interpreted(kernel) or not triton.__version__.startswith(CHECKED_TRITON)
+            or os.environ.get("FLASH_ATTENTION_DIRECT_LAUNCH", "1") == "0"):
+        return wrap_kernel(kernel)
+    return _direct(kernel)

@@ -1,1 +1,279 @@
-../../../flash_attention_kernel/hopper_dkdv.py
+"""The backward's dK/dV kernel for Hopper (sm_90), written in Gluon with explicit warp roles.
+
+The tl dK/dV kernel (``backward._attn_bwd_dkdv_kernel``) runs its two warpgroups in lockstep
+through S -> P -> dP -> dS -> dV, dK for each query tile, so the per-score work between the
+products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the tensor cores idle
+(docs/design.md#hopper-gluon-kernels). This kernel takes FlashAttention-3's structure instead:
+
+* one program per 128 keys of one KV head (dense batches); K and V stay in shared memory;
+* a producer warp streams the (Q, dO) tiles of 64 query rows, with those rows' lse and delta, for
+  every query head that shares the KV head, through a ring of STAGES shared-memory buffers by TMA,
+  with a "ready" and an "empty" mbarrier per buffer;
+* two consumer warpgroups, each owning 64 of the keys, read the ring independently. Per tile:
+  S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory, both in flight at once), P^T =
+  exp2(S^T - lse) and dS^T = P^T (dP^T - delta) (times tanh' under a softcap) in registers, then
+  dV += P^T dO and dK += dS^T Q with P^T and dS^T as register operands. Nothing holds the two
+  warpgroups in step, so one's per-score work runs while the other's products do. Each warpgroup
+  visits only the query tiles its keys are seen from (``hopper_gluon.band_tiles``: causal and
+  window bounds), and only those that cross a band edge take the mask (loops of their own); the
+  tiles the producer streams for the other warpgroup alone are released unread. The logits
+  (softcap, ALiBi, mask) are ``hopper_gluon.tile_logits``'.
+* dropout: each consumer redraws its pairs' keep bits from Philox while its S^T and dP^T products
+  run, bit for bit scores.dropout_keep's draws (``hopper_dropout``); dV takes the kept P^T (1 /
+  (1 - p) applied once at the end), dS^T the kept, scaled dP^T.
+
+Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
+P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
+``hopper_route.dkdv`` decides where it runs (full tiles here are 64 query rows and 128 keys);
+everything else takes the tl kernel.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .hopper_dropout import drop_unkept, dropout_state, dropout_words
+from .hopper_gluon import (
+    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, option_arguments,
+    release_unread, ring_barriers, tile_arguments, tile_logits, tile_logits_grad, tma_load,
+)
+from .hopper_route import PROGRAM_TILES
+from .launch import SequenceLayout
+from .options import MASK_LEFT, AttentionOptions
+
+# query rows per ring buffer (the wgmma N of S^T, K of dV and dK), keys per consumer warpgroup (the wgmma M of S^T)
+QUERY_ROWS, KEY_ROWS = PROGRAM_TILES["hopper_dkdv"][0], PROGRAM_TILES["hopper_dkdv"][1] // 2
+# Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements). Under
+# a window's left edge a program visits few query tiles, two of them masked and some released
+# unread, and a deeper ring keeps the producer ahead: +2-7% on the window backward at d128, where
+# the other variants lost 3-5% (docs/design.md#gluon-dkdv)
+STAGES = {64: 4, 128: 3}
+WINDOW_STAGES = {64: 4, 128: 4}
+
+
+def ring_stages(variant: int, head_dim: int) -> int:
+    """The ring depth of the kernel for these VARIANT bits and head dim."""
+    return (WINDOW_STAGES if variant & MASK_LEFT else STAGES)[head_dim]
+
+
+def _tma_vector(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous, starting on the 16-byte boundary TMA needs."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions, layout: SequenceLayout) -> None:
+    """Write dK and dV (softmax_scale applied) of a call ``hopper_route.dkdv`` accepted; lse and delta are
+    (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
+    through torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
+    batch, seqlen_k, num_heads_kv, head_dim = k.shape
+    # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
+    stats = [TensorDescriptor(x, [x.numel()], [1], [QUERY_ROWS], STAT_LAYOUT)
+             for x in (_tma_vector(lse), _tma_vector(delta))]
+    arguments, constexprs = option_arguments(options, lse)
+    _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
+        *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
+        *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,
+        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=ring_stages(options.variant, head_dim),
+        **constexprs, num_warps=4,
+    )
+
+
+STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
+KEYS = gl.constexpr(KEY_ROWS)
+ROWS = gl.constexpr(QUERY_ROWS)
+FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
+REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
+
+@gluon.jit
+def _query_tiles(first_key, last_key, seqlen_q, band, VARIANT: gl.constexpr):
+    """``band_tiles`` over the query rows for keys first_key..last_key: key j is seen by rows
+    j - diag - right .. j - diag + left."""
+    diag, left, right = band
+    return band_tiles(first_key, last_key, -diag - right, -diag + left, seqlen_q, ROWS, MASK_RIGHT_ & VARIANT,
+                      MASK_LEFT_ & VARIANT)
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_rows, do_rows, k_row, v_row, stat_row,
+              q_col, do_col, k_col, v_col, q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem,
+              q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, m_hi, seqlen_q,
+              GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K and V once, then the (Q, dO) tiles [m_lo, m_hi) of each query head, with
+    their rows' lse and delta, through the ring."""
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma_load(k_desc, [k_row + w * KEYS, k_col], kv_bar, k_smem.index(w))
+        tma_load(v_desc, [v_row + w * KEYS, v_col], kv_bar, v_smem.index(w))
+    i = 0
+    for g in range(GROUP_SIZE):
+        for m in range(m_lo, m_hi, ROWS):
+            idx = i % STAGES
+            mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
+            mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), lse_bufs.index(idx))
+            tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), delta_bufs.index(idx))
+            tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], ready.index(idx),
+                      q_bufs.index(idx))
+            tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], ready.index(idx),
+                      do_bufs.index(idx))
+            i += 1
+
+@gluon.jit
+def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m, keys, first_key, band,
+                score, slope_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
+                OPERAND_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+                ALIBI_ABS: gl.constexpr):
+    """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i``. MASKED:
+    the tile crosses a band edge."""
+    dtype: gl.constexpr = q_bufs.dtype
+    idx = i % STAGES
+    mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+    q = q_bufs.index(idx)
+    do = do_bufs.index(idx)
+    zero_s = gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    row_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    queries = m + gl.arange(0, ROWS, row_layout)
+    lse_log2 = lse_bufs.index(idx).load(row_layout) * LOG2E_
+    delta = delta_bufs.index(idx).load(row_layout)
+    if DROPOUT_ & VARIANT:  # (drawn while the products run)
+        rng_state, threshold = dropout
+        state = dropout_state(rng_state, threshold, first_key, keys)
+        words = dropout_words(state, m, stream, S_LAYOUT)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    x, capped = tile_logits(s, lse_log2[None, :], queries[None, :], keys[:, None], first_key, band, score,
+                            slope_log2, MASKED, VARIANT, ALIBI_ABS)
+    p = gl.exp2(x)
+    dp = warpgroup_mma_wait(0, deps=(dp,))
+    p_kept = p
+    if DROPOUT_ & VARIANT:  # dV takes the kept probabilities (1 / (1 - p) at the end), dS the kept dP
+        p_kept, dp = drop_unkept(state, words, p, dp)
+        dp = dp * dropout_scale
+    ds = tile_logits_grad(p * (dp - delta[None, :]), capped, queries[None, :], keys[:, None], band, MASKED,
+                          VARIANT)
+    dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    mbarrier.arrive(empty.index(idx), count=1)
+    return dk, dv
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+              DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band, score,
+              softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, WG: gl.constexpr,
+              HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, VARIANT: gl.constexpr,
+              ALIBI_ABS: gl.constexpr):
+    """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over the query tiles [m_lo,
+    m_hi) the producer streams, of every query head of the group."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    first_key = start_key + WG * KEYS
+    keys = first_key + gl.arange(0, KEYS, gl.SliceLayout(1, s_layout))
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+    # what dropout_state needs: the state itself is formed again for each tile (even the seed,
+    # loaded from L1), since held across the loop its registers doubled the causal kernel's
+    # spills (docs/design.md#gluon-dkdv)
+    dropout = (RngState, dropout_threshold)
+    # this warpgroup's query tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the
+    # ones before lo and from hi_end on it does not see (streamed for the other warpgroup)
+    lo, full_lo, full_hi, hi = _query_tiles(first_key, first_key + KEYS - 1, seqlen_q, band, VARIANT)
+    hi_end = gl.maximum(gl.cdiv(hi, ROWS) * ROWS, lo)
+    mbarrier.wait(kv_bar, 0)
+    i = 0
+    for g in range(GROUP_SIZE):
+        stream = (first_row + g).to(gl.uint32)  # dropout's Philox stream: batch * heads + head
+        slope_log2 = 0.0
+        if ALIBI_ & VARIANT:
+            slope_log2 = gl.load(slopes + g) * LOG2E_
+        if MASK_RIGHT_ & VARIANT:
+            i = release_unread(ready, empty, i, m_lo, lo, ROWS, STAGES)
+            for m in range(lo, full_lo, ROWS):
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                                     keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
+                                     s_layout, operand_layout, STAGES, True, VARIANT, ALIBI_ABS)
+                i += 1
+        for m in range(full_lo, full_hi, ROWS):
+            dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                                 keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
+                                 s_layout, operand_layout, STAGES, False, VARIANT, ALIBI_ABS)
+            i += 1
+        if MASK_LEFT_ & VARIANT:
+            for m in range(full_hi, hi, ROWS):
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                                     keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
+                                     s_layout, operand_layout, STAGES, True, VARIANT, ALIBI_ABS)
+                i += 1
+            i = release_unread(ready, empty, i, hi_end, m_hi, ROWS, STAGES)
+    rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
+    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+    dk = dk * softmax_scale
+    if DROPOUT_ & VARIANT:
+        dv = dv * dropout_scale
+    gl.store(DK + dk_base + rows[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty))
+    gl.store(DV + dv_base + rows[:, None] * stride_dvn + dims[None, :], dv.to(DV.dtype.element_ty))
+
+@gluon.jit
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
+                 q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
+                 v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
+                 lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                 stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
+                 qk_log2, tanh_scale, softcap_log2, softmax_scale, window_left, window_right,
+                 AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
+                 HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+    """The arguments after num_heads are ``hopper_gluon.option_arguments``', VARIANT and
+    ALIBI_ABS its constexprs."""
+    start_key = gl.program_id(0) * (2 * KEYS)
+    kv_head = gl.program_id(1)
+    batch = gl.program_id(2)
+    head = kv_head * GROUP_SIZE  # the group's first query head
+    band = (diag, window_left, window_right)
+    score = (qk_log2, tanh_scale, softcap_log2)
+    # the query tiles any of the program's keys is seen from: the producer streams these
+    m_lo, _, _, m_hi = _query_tiles(start_key, start_key + 2 * KEYS - 1, seqlen_q, band, VARIANT)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, KEYS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, KEYS, HEAD_DIM], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, ROWS, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, ROWS, HEAD_DIM], do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(lse_desc.dtype, [STAGES, ROWS], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(delta_desc.dtype, [STAGES, ROWS], delta_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    ready, empty = ring_barriers(STAGES)
+
+    dk_base = batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+    dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+    # the group's first query head as a row of (batch, heads): its lse / delta row, its Philox stream
+    first_row = batch * num_heads + head
+    slopes = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the group's ALiBi slopes)
+    # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
+    gl.warp_specialize([
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+                     DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
+                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, FIRST,
+                     HEAD_DIM, GROUP_SIZE, STAGES, VARIANT, ALIBI_ABS)),
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+                     DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
+                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, SECOND,
+                     HEAD_DIM, GROUP_SIZE, STAGES, VARIANT, ALIBI_ABS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
+                     batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
+                     batch * k_batch_rows + kv_head * k_head_rows + start_key,
+                     batch * v_batch_rows + kv_head * v_head_rows + start_key, first_row,
+                     head * q_head_cols, head * do_head_cols, kv_head * k_head_cols, kv_head * v_head_cols,
+                     q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
+                     lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, m_hi, seqlen_q, GROUP_SIZE, STAGES)),
+    ], [4, 1], [REGISTERS, 24])

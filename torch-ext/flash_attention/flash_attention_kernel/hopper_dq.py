@@ -1,1 +1,251 @@
-../../../flash_attention_kernel/hopper_dq.py
+"""The backward's dQ kernel for Hopper (sm_90), written in Gluon with explicit warp roles: the
+dK/dV kernel's structure (``hopper_dkdv``) turned around, keys streamed past resident queries.
+
+The tl dQ kernel (``backward._attn_bwd_dq_kernel``) runs its warps in lockstep through S -> P ->
+dP -> dS -> dQ for each key tile, so the per-score work between the products (exp2, the softcap's
+tanh and its gradient, the mask) leaves the tensor cores idle; under a softcap that made it 27%
+slower (docs/design.md#hopper-gluon-kernels). Here:
+
+* one program per 128 query rows of one query head (dense batches); their Q and dO stay in
+  shared memory, their lse and delta in registers;
+* a producer warp streams the (K, V) tiles of 64 keys of the head's KV head through a ring of
+  STAGES shared-memory buffers by TMA, with a "ready" and an "empty" mbarrier per buffer;
+* two consumer warpgroups, each owning 64 of the query rows, read the ring independently. Per
+  tile: S = Q K^T and dP = dO V^T (wgmma from shared memory, both in flight at once), P =
+  exp2(S - lse) and dS = P (dP - delta) (times tanh' under a softcap) in registers, then dQ += dS K
+  with dS as the register operand. Nothing holds the two warpgroups in step, so one's per-score
+  work runs while the other's products do. Within a warpgroup the loop is software-pipelined: a
+  step issues its tile's S and dP, then the previous tile's dQ product, and forms its dS while dP
+  and that product run (a prologue forms the first dS, an epilogue issues the last product).
+* causal and window bounds: each warpgroup splits the key tiles the producer streams into those
+  its rows all see, those that cross a band edge (masked, loops of their own) and those outside
+  its band (released unread: the other warpgroup may need them), ``hopper_gluon.band_tiles``.
+  With an upper band edge (causal) programs run longest rows first. The logits (softcap, ALiBi,
+  mask) are ``hopper_gluon.tile_logits``'.
+* dropout: each consumer redraws its pairs' keep bits while its S and dP products run
+  (``hopper_dropout.dropout_rows``, bit for bit ``scores.dropout_keep``); dS takes the kept dP,
+  with the 1 / (1 - p) of dP moved into delta and applied to dQ once at the end.
+
+Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
+P = 0, dQ is scaled by softmax_scale at the end), and delta comes from the preprocess kernel.
+``hopper_route.dq`` decides where it runs (full tiles here are 128 query rows and 64 keys;
+dropout only with causal masking); everything else takes the tl kernel.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .hopper_dropout import dropout_rows, keep_pairs, row_calls
+from .hopper_gluon import (
+    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, option_arguments,
+    query_program, release_unread, ring_barriers, round_pairs, stream_key_tiles, tile_arguments, tile_logits,
+    tile_logits_grad, tma_load,
+)
+from .hopper_route import PROGRAM_TILES
+from .launch import SequenceLayout
+from .options import AttentionOptions
+
+# query rows per consumer warpgroup: the wgmma M of S and dQ; keys per ring buffer: the wgmma N
+# of S, K of dQ (the kernel and hopper_dropout.dropout_rows take 128 too: with half the ring it
+# measured within 2% of 64 either way and spills, docs/design.md#gluon-dq)
+QUERY_ROWS, KEY_ROWS = PROGRAM_TILES["hopper_dq"][0] // 2, PROGRAM_TILES["hopper_dq"][1]
+# Ring depth per head dim (shared memory: Q and dO 4 * 64 * d elements, each stage 2 * KEY_ROWS * d)
+STAGES = {64: 6, 128: 4}
+
+
+def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layout: SequenceLayout) -> None:
+    """Write dQ (softmax_scale applied) of a call ``hopper_route.dq`` accepted; lse and delta are contiguous
+    (batch, heads, seqlen_q) fp32 (``SequenceLayout.new_row_stats``) with delta already computed.
+    The kernel launches directly, not through torch.library.wrap_triton: the route keeps traced
+    calls on the tl kernels."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    arguments, constexprs = option_arguments(options, lse)
+    _dq_kernel[(seqlen_q // (2 * QUERY_ROWS), num_heads, batch)](
+        *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
+        lse, delta, *layout.stat_strides(delta), dq, *layout.strides(dq),
+        layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,
+        HEAD_DIM=head_dim, KEYS=KEY_ROWS, GROUP_SIZE=num_heads // k.shape[2], STAGES=STAGES[head_dim],
+        CALLS_LAYOUT=CALLS, **constexprs, num_warps=4,
+    )
+
+
+CALLS = row_calls(KEY_ROWS)  # the layout of dropout's Philox calls (the kernel's CALLS_LAYOUT)
+ROWS = gl.constexpr(QUERY_ROWS)
+FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
+REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
+              q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, keys_lo, keys_hi, STAGES: gl.constexpr):
+    """One warp: the program's Q and dO once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
+    mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma_load(q_desc, [q_row + w * ROWS, q_col], qdo_bar, q_smem.index(w))
+        tma_load(do_desc, [do_row + w * ROWS, do_col], qdo_bar, do_smem.index(w))
+    stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
+                     STAGES)
+
+@gluon.jit
+def _issue_products(q, do, k_bufs, v_bufs, ready, i, S_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
+    """Issue S = Q K^T and dP = dO V^T of the key tile in ring buffer ``i`` once it has
+    arrived; returns both products in flight."""
+    KEYS: gl.constexpr = k_bufs.shape[1]
+    idx = i % STAGES
+    mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+    zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do, v_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return s, dp
+
+@gluon.jit
+def _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
+                 DTYPE: gl.constexpr, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+                 CALLS_LAYOUT: gl.constexpr, PENDING: gl.constexpr, MASKED: gl.constexpr,
+                 VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+    """dS of key tile [n, n + KEYS) from its S and dP products in flight (PENDING younger
+    products may stay in flight), in DTYPE and OPERAND_LAYOUT for the dQ product. MASKED: the
+    tile crosses a band edge."""
+    if DROPOUT_ & VARIANT:  # (drawn while the products run)
+        words = dropout_rows(dropout, first_row, n, S_LAYOUT, CALLS_LAYOUT)
+    s = warpgroup_mma_wait(PENDING + 1, deps=(s,))
+    KEYS: gl.constexpr = s.shape[1]
+    keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, S_LAYOUT))
+    x, capped = tile_logits(s, lse_log2[:, None], rows[:, None], keys[None, :], n, band, score, slope_log2,
+                            MASKED, VARIANT, ALIBI_ABS)
+    p = gl.exp2(x)
+    dp = warpgroup_mma_wait(PENDING, deps=(dp,))
+    if DROPOUT_ & VARIANT:  # (dP's 1 / (1 - p) is in delta and in the final scale)
+        dp = keep_pairs(dropout, words, dp)
+    ds = tile_logits_grad(p * (dp - delta[:, None]), capped, rows[:, None], keys[None, :], band, MASKED, VARIANT)
+    return gl.convert_layout(round_pairs(ds, DTYPE), OPERAND_LAYOUT)
+
+@gluon.jit
+def _key_range(dq, ds, i, start, end, q, do, k_bufs, v_bufs, ready, empty, first_row, rows, lse_log2, delta,
+               band, score, slope_log2, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+               CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
+               ALIBI_ABS: gl.constexpr):
+    """The overlapped loop over key tiles [start, end), ring buffers i, i + 1, ...: each step
+    issues this tile's S and dP and the previous tile's dQ += dS K (its dS ``ds``, buffer i -
+    1) together and forms this tile's dS while dP and dQ run. Returns (dq, ds, the next
+    buffer's count). MASKED: the tiles cross a band edge."""
+    KEYS: gl.constexpr = k_bufs.shape[1]
+    for n in range(start, end, KEYS):
+        prev = (i + STAGES - 1) % STAGES
+        s, dp = _issue_products(q, do, k_bufs, v_bufs, ready, i, S_LAYOUT, STAGES)
+        dq = warpgroup_mma(ds, k_bufs.index(prev), dq, is_async=True)
+        ds = _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
+                          k_bufs.dtype, S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_ABS)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(empty.index(prev), count=1)
+        i += 1
+    return dq, ds, i
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,
+              stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope, RngState,
+              stream, dropout_threshold, dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+              CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+    """One warpgroup: dQ of query rows [start_m + WG * 64, + 64) over the key tiles [keys_lo,
+    keys_hi) the producer streams."""
+    KEYS: gl.constexpr = k_bufs.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    first_row = start_m + WG * ROWS
+    rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
+    lse_log2 = gl.load(Lse + stat_base + rows) * LOG2E_
+    delta = gl.load(Delta + stat_base + rows)
+    if DROPOUT_ & VARIANT:  # dS = P (keep dP / (1 - p) - delta) = P (keep dP - delta (1 - p)) / (1 - p)
+        delta = delta / dropout_scale
+        softmax_scale = softmax_scale * dropout_scale
+    dropout = (RngState, stream, dropout_threshold)
+    slope_log2 = 0.0
+    if ALIBI_ & VARIANT:
+        slope_log2 = gl.load(slope) * LOG2E_
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    # this warpgroup's key tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the ones
+    # before lo and from hi_end on it does not see (streamed for the other warpgroup)
+    lo, full_lo, full_hi, hi = key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+    hi_end = gl.maximum(gl.cdiv(hi, KEYS) * KEYS, lo)
+    mbarrier.wait(qdo_bar, 0)
+    i = 0
+    if MASK_LEFT_ & VARIANT:
+        i = release_unread(ready, empty, i, keys_lo, lo, KEYS, STAGES)
+    if lo < hi:
+        # prologue: the first tile's dS, masked whichever range it lies in
+        s, dp = _issue_products(q, do, k_bufs, v_bufs, ready, i, s_layout, STAGES)
+        ds = _score_grads(s, dp, lo, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
+                          k_bufs.dtype, s_layout, operand_layout, CALLS_LAYOUT, 0, True, VARIANT, ALIBI_ABS)
+        i += 1
+        second = lo + KEYS
+        tiles = (q, do, k_bufs, v_bufs, ready, empty, first_row, rows, lse_log2, delta, band, score, slope_log2,
+                 dropout)
+        if MASK_LEFT_ & VARIANT:
+            dq, ds, i = _key_range(dq, ds, i, second, full_lo, *tiles, s_layout, operand_layout, CALLS_LAYOUT,
+                                   STAGES, True, VARIANT, ALIBI_ABS)
+        dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_lo, second), full_hi, *tiles, s_layout, operand_layout,
+                               CALLS_LAYOUT, STAGES, False, VARIANT, ALIBI_ABS)
+        if MASK_RIGHT_ & VARIANT:
+            dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_hi, second), hi, *tiles, s_layout, operand_layout,
+                                   CALLS_LAYOUT, STAGES, True, VARIANT, ALIBI_ABS)
+        # epilogue: the last tile's dQ product
+        last = (i + STAGES - 1) % STAGES
+        dq = warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(empty.index(last), count=1)
+    if MASK_RIGHT_ & VARIANT:
+        release_unread(ready, empty, i, hi_end, keys_hi, KEYS, STAGES)
+    out_rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
+    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+    dq = dq * softmax_scale
+    gl.store(DQ + dq_base + out_rows[:, None] * stride_dqm + dims[None, :], dq.to(DQ.dtype.element_ty))
+
+@gluon.jit
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc,
+               q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
+               v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
+               Lse, Delta, stride_stat_b, stride_stat_h, DQ, stride_dqb, stride_dqh, stride_dqm, seqlen_k, diag,
+               qk_log2, tanh_scale, softcap_log2, softmax_scale, window_left, window_right,
+               AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
+               HEAD_DIM: gl.constexpr, KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+               CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+    """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
+    and ALIBI_ABS its constexprs; CALLS_LAYOUT: ``hopper_dropout.row_calls(KEYS)``, the layout
+    of dropout's Philox calls."""
+    band = (diag, window_left, window_right)
+    score = (qk_log2, tanh_scale, softcap_log2)
+    start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
+        seqlen_k, band, AlibiSlopes, stride_alibi_b, 2 * ROWS, KEYS, GROUP_SIZE, VARIANT)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, ROWS, HEAD_DIM], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, HEAD_DIM], v_desc.layout)
+    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qdo_bar, count=1)
+    ready, empty = ring_barriers(STAGES)
+
+    stat_base = batch.to(gl.int64) * stride_stat_b + head.to(gl.int64) * stride_stat_h
+    dq_base = batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
+    # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,
+                     stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
+                     RngState, stream, dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT, STAGES,
+                     VARIANT, ALIBI_ABS)),
+        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,
+                     stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
+                     RngState, stream, dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT, STAGES,
+                     VARIANT, ALIBI_ABS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc,
+                     batch * q_batch_rows + head * q_head_rows + start_m, head * q_head_cols,
+                     batch * do_batch_rows + head * do_head_rows + start_m, head * do_head_cols,
+                     batch * k_batch_rows + kv_head * k_head_rows, kv_head * k_head_cols,
+                     batch * v_batch_rows + kv_head * v_head_rows, kv_head * v_head_cols,
+                     q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, keys_lo, keys_hi, STAGES)),
+    ], [4, 1], [REGISTERS, 24])

@@ -1,1 +1,292 @@
-../../../flash_attention_kernel/hopper_gluon.py
+"""What the Gluon kernels for Hopper (the forward ``hopper_forward``, the backward's ``hopper_dkdv``
+and ``hopper_dq``) share: their arguments, their rings, their score math, and the Gluon names that
+moved between Triton releases. Which calls they take is ``hopper_route``'s decision, made without
+importing Gluon; this module and the kernels' are imported only once a call needs them.
+
+All three take FlashAttention-3's structure: a producer warp streams tiles by TMA through a ring
+of shared-memory buffers, two consumer warpgroups of 64 rows each read the ring out of step, so
+that one's per-score work (exp2, the softcap's tanh, the mask, dropout's draws) runs while the
+other's tensor-core products do. They run on sm_90 only, on dense bf16/fp16 calls whose tensors
+split into TMA rows (``launch.RowGeometry``) in full tiles (a ragged tile would read the next
+slice's rows), with head dim 64 or 128; every option (causal, window, softcap, ALiBi, sinks,
+dropout) runs in them. Everything else (varlen, paged caches, ragged tiles, other head dims,
+fp32, calls traced by torch.compile) takes the tl kernels.
+
+Scores: the Gluon kernels cannot call ``scores.py``'s tl functions, so this module holds their
+Gluon form, the same math: ``band_tiles`` (which tiles a warpgroup visits: masked ones crossing a
+window edge, full ones, and the ones it releases unread because only the other warpgroup sees
+them), ``band_mask``, ``tile_logits`` (softcap, ALiBi, the band mask, minus the row's lse),
+``tile_logits_grad`` (the softcap's tanh', and dS = 0 outside the band) and, for the forward,
+which has no lse yet, ``forward_logits``. The backward kernels hold their tiles in opposite orientations (dK/dV: S^T,
+keys by queries; dQ: S), so ``tile_logits`` takes index vectors already shaped to broadcast.
+
+Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
+``async_load`` from 3.9), so the module binds the name it finds; ``hopper_route.CHECKED_VERSIONS``
+lists the Triton releases the kernels were run and checked under.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .hopper_route import KERNEL_BITS
+from .launch import RowGeometry, SequenceLayout
+from .options import ALIBI, DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, SOFTCAP, AttentionOptions
+
+CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); the producer warp gets 24
+
+
+def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
+    """The kernels' first arguments: a TMA descriptor for each of ``tensors`` (q, k, v, dout) with
+    blocks of ``rows[i]`` rows of the head dim, over the tensor seen as a matrix of rows
+    (``launch.RowGeometry``), then each tensor's (batch_rows, head_rows, head_cols)."""
+    element = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
+    head_dim = tensors[0].shape[-1]
+    geometry = [RowGeometry.of(x, layout) for x in tensors]
+    descriptors = [
+        TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [block_rows, head_dim],
+                         gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], element))
+        for x, g, block_rows in zip(tensors, geometry, rows)
+    ]
+    return [*descriptors, *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))]
+
+
+def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple:
+    """(arguments, constexprs) of the options as both kernels take them. Arguments: qk_log2,
+    tanh_scale, softcap_log2 (the logit in base 2 is q.k * qk_log2, or under a softcap
+    softcap_log2 * tanh(q.k * tanh_scale)), softmax_scale, window_left, window_right, AlibiSlopes,
+    stride_alibi_b, RngState, dropout_threshold, dropout_scale (``stand_in`` fills unused
+    pointers). Constexprs: VARIANT (KERNEL_BITS of the options' bit set) and ALIBI_ABS (ALiBi with
+    visible pairs above the diagonal, where its distance needs an absolute value)."""
+    slopes, stride_alibi_b, _, rng_state, _, _, left, right, dropout_threshold, dropout_scale = \
+        options.kernel_args(stand_in)
+    softcap, scale = options.softcap, options.softmax_scale
+    arguments = (scale * LOG2E, scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, scale, left, right,
+                 slopes, stride_alibi_b, rng_state, dropout_threshold, dropout_scale)
+    alibi_abs = options.alibi_slopes is not None and options.window[1] != 0
+    return arguments, dict(VARIANT=options.variant & KERNEL_BITS, ALIBI_ABS=alibi_abs)
+
+
+# TMA's global-to-shared copy under its name in this release
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty) mbarriers of a ring of STAGES buffers: the producer's TMA completes
+    "ready", both consumer warpgroups arrive on "empty" to release a buffer."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    return ready, empty
+
+@gluon.jit
+def tanh_approx(x):
+    """tanh by the GPU's tanh.approx.f32 (one special-function op), as the tl kernels' TANH_APPROX."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+@gluon.jit
+def round_pairs(x, dtype: gl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16) two neighbouring elements per cvt, as
+    Triton lowers ``x.to(dtype)``, but as inline asm: LLVM then cannot move the rounding of a
+    loop-carried value across the loop's phi, where it splits into one cvt per element and
+    carries the fp32 values (then the compiled loop swaps each pair's halves back, one PRMT
+    per register, and holds twice the registers)."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+
+MASK_LEFT_, MASK_RIGHT_, SOFTCAP_, ALIBI_ = (gl.constexpr(bit) for bit in (MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI))
+# which side of the diagonal (i + diag = j) a forward tile's pairs lie on (``forward_logits``)
+ALIBI_BELOW, ALIBI_ABOVE, ALIBI_ACROSS = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+DROPOUT_ = gl.constexpr(DROPOUT)
+LOG2E_ = gl.constexpr(LOG2E)
+
+@gluon.jit
+def band_tiles(first, last, below, above, length, BLOCK: gl.constexpr, HAS_BELOW: gl.constexpr,
+               HAS_ABOVE: gl.constexpr):
+    """``scores._band_tiles`` in Gluon: for indices first..last, index x seeing the band
+    [x + below, x + above] of [0, length) (each edge only where it exists), the tile ranges
+    (lo, full_lo, full_hi, hi): [lo, full_lo) crosses the lower edge, [full_lo, full_hi) is seen
+    in full, [full_hi, hi) crosses the upper edge; lo, full_lo, full_hi are multiples of BLOCK
+    and lo <= full_lo <= full_hi. Where no tile is full, every visible one is in [full_hi, hi),
+    or, with no upper edge (whose masked loop a kernel then leaves out), in [lo, full_lo).
+    ``length`` is a multiple of BLOCK where there is no upper edge (the kernels' full tiles)."""
+    lo = 0
+    full_lo = 0
+    hi = length
+    full_hi = length
+    if HAS_ABOVE:
+        hi = gl.minimum(gl.maximum(last + above + 1, 0), length)
+        full_hi = gl.minimum(gl.maximum(first + above + 1, 0), length)
+    full_hi = full_hi // BLOCK * BLOCK
+    if HAS_BELOW:
+        lo = gl.minimum(gl.maximum(first + below, 0), length) // BLOCK * BLOCK
+        full_lo = gl.cdiv(gl.minimum(gl.maximum(last + below, 0), length), BLOCK) * BLOCK
+        no_full_tile = full_lo >= full_hi
+        empty_at = lo  # (the start of the range that then holds every visible tile)
+        if not HAS_ABOVE:
+            empty_at = hi
+        full_lo = gl.where(no_full_tile, empty_at, full_lo)
+        full_hi = gl.where(no_full_tile, empty_at, full_hi)
+    return lo, full_lo, full_hi, hi
+
+@gluon.jit
+def key_tiles(first_row, last_row, seqlen_k, band, KEYS: gl.constexpr, VARIANT: gl.constexpr):
+    """``band_tiles`` over the keys for query rows first_row..last_row (the forward and dQ
+    kernels): row i sees keys i + diag - left .. i + diag + right, band = (diag, left, right)."""
+    diag, left, right = band
+    return band_tiles(first_row, last_row, diag - left, diag + right, seqlen_k, KEYS, MASK_LEFT_ & VARIANT,
+                      MASK_RIGHT_ & VARIANT)
+
+@gluon.jit
+def query_program(seqlen_k, band, AlibiSlopes, stride_alibi_b, ROWS: gl.constexpr, KEYS: gl.constexpr,
+                  GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr):
+    """A program of the forward and dQ kernels, which own ROWS query rows of one head each
+    (grid: query blocks, heads, batch): (first query row, head, batch, KV head, keys_lo,
+    keys_hi, dropout's Philox stream, the head's ALiBi slope pointer), [keys_lo, keys_hi) the
+    key tiles any of its rows sees (``key_tiles``; the producer streams these). With an upper
+    band edge (causal) the blocks run in reverse, longest rows first, so that the short ones
+    fill the last wave."""
+    block = gl.program_id(0)
+    if MASK_RIGHT_ & VARIANT:
+        block = gl.num_programs(0) - 1 - block
+    start_m, head, batch = block * ROWS, gl.program_id(1), gl.program_id(2)
+    keys_lo, _, _, keys_hi = key_tiles(start_m, start_m + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
+    stream = (batch * gl.num_programs(1) + head).to(gl.uint32)  # batch * heads + head
+    slope = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head
+    return start_m, head, batch, head // GROUP_SIZE, keys_lo, keys_hi, stream, slope
+
+@gluon.jit
+def stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
+                     STAGES: gl.constexpr):
+    """The producer warp's loop of the forward and dQ kernels: the (K, V) tiles of keys
+    [keys_lo, keys_hi) by TMA through the ring of STAGES buffers, each loaded once both
+    consumer warpgroups have released its buffer ("empty") and announced on "ready"."""
+    KEYS: gl.constexpr = k_bufs.shape[1]
+    i = 0
+    for n in range(keys_lo, keys_hi, KEYS):
+        idx = i % STAGES
+        mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
+        mbarrier.expect(ready.index(idx), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [k_row + n, k_col], ready.index(idx), k_bufs.index(idx))
+        tma_load(v_desc, [v_row + n, v_col], ready.index(idx), v_bufs.index(idx))
+        i += 1
+
+@gluon.jit
+def release_unread(ready, empty, i, start, end, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """Release the ring buffers of tiles [start, end) (start a multiple of BLOCK) unread: tiles
+    the producer streams for the other warpgroup. Each is waited for, so that no arrival on
+    "empty" completes a later phase early. Returns the next buffer's count."""
+    for _ in range(start, end, BLOCK):
+        idx = i % STAGES
+        mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+        mbarrier.arrive(empty.index(idx), count=1)
+        i += 1
+    return i
+
+@gluon.jit
+def tile_logits(s, lse_log2, queries, keys, key_base, band, score, slope_log2, MASKED: gl.constexpr,
+                VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+    """(x, capped): x = the base-2 logits of a tile of q.k products ``s`` minus their rows'
+    lse (lse_log2 = lse * log2(e)), -inf where MASKED and outside the band, so that P =
+    exp2(x); capped = the softcap's tanh (for ``tile_logits_grad``). ``queries``, ``keys`` and
+    ``lse_log2`` are shaped to broadcast against ``s``. band = (diag, left, right): query i sees
+    key j iff i + diag - left <= j <= i + diag + right (scores.visible); score = (qk_log2,
+    tanh_scale, softcap_log2).
+
+    ALiBi adds -slope |i + diag - j|, its distance taken from ``key_base`` (near the tile) so
+    that fp32 holds both parts exactly. Without ALIBI_ABS every visible pair has i + diag >= j,
+    and the bias splits into a row term, folded into the lse, and a key term: one addition
+    per score instead of a subtraction, an absolute value and a multiply-add."""
+    diag, left, right = band
+    qk_log2, tanh_scale, softcap_log2 = score
+    if SOFTCAP_ & VARIANT:
+        capped = tanh_approx(s * tanh_scale)
+        scaled = capped * softcap_log2
+    else:
+        capped = s
+        scaled = s * qk_log2
+    if ALIBI_ & VARIANT:
+        row_distance = (queries + (diag - key_base)).to(gl.float32)
+        key_offset = (keys - key_base).to(gl.float32)
+        if ALIBI_ABS:
+            x = scaled - lse_log2 - slope_log2 * gl.abs(row_distance - key_offset)
+        else:
+            x = scaled - (lse_log2 + slope_log2 * row_distance) + slope_log2 * key_offset
+    else:
+        x = scaled - lse_log2
+    if MASKED:  # (masked before the exp2: the mask's predicate dies at once)
+        x = band_mask(x, queries, keys, band, float("-inf"), VARIANT)
+    return x, capped
+
+@gluon.jit
+def band_mask(x, queries, keys, band, OUTSIDE: gl.constexpr, VARIANT: gl.constexpr):
+    """``x`` where query i sees key j (i + diag - left <= j <= i + diag + right, the edges
+    VARIANT has), OUTSIDE elsewhere; ``queries`` and ``keys`` broadcast against ``x``."""
+    diag, left, right = band
+    if MASK_RIGHT_ & VARIANT:
+        x = gl.where(keys <= queries + (diag + right), x, OUTSIDE)
+    if MASK_LEFT_ & VARIANT:
+        x = gl.where(keys >= queries + (diag - left), x, OUTSIDE)
+    return x
+
+@gluon.jit
+def forward_logits(s, rows, keys, key_base, band, score, slope_log2, MASKED: gl.constexpr,
+                   VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
+    """(t, unit, row_offset): the base-2 logits of a tile of q.k products ``s`` (query ``rows``
+    by ``keys``, 1-D index vectors) are t * unit - row_offset (row_offset per row, or 0), with
+    t = -inf where MASKED and outside the band. ``tile_logits``' math without an lse, for the
+    forward, which subtracts its pivot in the same multiply-add as the unit: without ALiBi t
+    is the softcap's tanh or s itself, so the logits cost nothing before that multiply-add.
+
+    ALiBi's bias -slope |d|, d = i + diag - j, in t's units: on a tile whose pairs all have d
+    >= 0 (ALIBI_SIDE = ALIBI_BELOW) or all d <= 0 (ALIBI_ABOVE) it splits into a row term,
+    folded into row_offset, and a key term: one operation per score; a tile across the
+    diagonal (ALIBI_ACROSS) takes two (the absolute value)."""
+    qk_log2, tanh_scale, softcap_log2 = score
+    if SOFTCAP_ & VARIANT:
+        t = tanh_approx(s * tanh_scale)
+        unit = softcap_log2
+    else:
+        t = s
+        unit = qk_log2
+    row_offset = 0.0
+    if ALIBI_ & VARIANT:
+        diag, _, _ = band
+        row_distance = (rows + (diag - key_base)).to(gl.float32)
+        key_offset = (keys - key_base).to(gl.float32)
+        slope = slope_log2 / unit
+        key_term = slope * key_offset  # (the same per-key values in every form: held once)
+        if ALIBI_SIDE == ALIBI_ACROSS:  # -slope |d| = -sign(slope) |slope d|
+            slope_sign = gl.where(slope < 0, -1.0, 1.0)
+            t = t - slope_sign * gl.abs((slope * row_distance)[:, None] - key_term[None, :])
+        elif ALIBI_SIDE == ALIBI_BELOW:
+            t = t + key_term[None, :]
+            row_offset = slope_log2 * row_distance
+        else:
+            t = t - key_term[None, :]
+            row_offset = -slope_log2 * row_distance
+    if MASKED:
+        t = band_mask(t, rows[:, None], keys[None, :], band, float("-inf"), VARIANT)
+    return t, unit, row_offset
+
+@gluon.jit
+def tile_logits_grad(ds, capped, queries, keys, band, MASKED: gl.constexpr, VARIANT: gl.constexpr):
+    """``ds`` = P (dP - delta) times the logits' derivative by the scaled score (the softcap's
+    1 - tanh^2, else 1), and exactly 0 where MASKED and outside the band: masked_fill's gradient,
+    as ``scores.score_grads`` (P = 0 there, but a row whose output is NaN has delta = NaN, which
+    0 * NaN would carry into dK of keys it never sees; the mask decides, not P == 0, which a
+    visible pair may underflow to). ``queries`` and ``keys`` as for ``tile_logits``."""
+    if SOFTCAP_ & VARIANT:
+        ds = ds * (1.0 - capped * capped)
+    if MASKED:
+        ds = band_mask(ds, queries, keys, band, 0.0, VARIANT)
+    return ds
