@@ -36,11 +36,7 @@ CASE_SECONDS = 60  # the slowest case here takes a few seconds
 ALLOWED_ERRORS = (TypeError, ValueError, RuntimeError, NotImplementedError)
 # Cases outside the bar for a reason recorded as open work, still run and printed (KNOWN lines), not
 # counted: issue 39's fp32 item is not closed while this list is not empty.
-KNOWN_LIMITS = {
-    82: "fp32 dK with sinks, GQA 3:1, softmax_scale 0.85 (logits ~N(0, 9)): 3.24e-5 against a bar of 2.4e-5; the "
-        "backward recomputes P from the stored fp32 lse, whose rounding (2^-19 relative at lse ~30) PyTorch's "
-        "float32 softmax does not have (issue 39, fp32 item)",
-}
+KNOWN_LIMITS = {}
 HEAD_DIMS = [1, 2, 3, 8, 16, 31, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 255, 256]
 ENTRIES = ["dense", "kvpacked", "qkvpacked", "varlen", "kvcache", "paged_kvcache"]
 

@@ -16,7 +16,8 @@ the gradients are
 
 * delta comes first: from the dQ kernel's prologue, which then runs before the dK/dV kernel, or,
   where that prologue would slow the dQ kernel down (warp-specialised or varlen), from
-  ``_attn_bwd_preprocess_kernel``.
+  ``_attn_bwd_preprocess_kernel``. fp32 inputs (FP32_EXACT) take delta = sum_j P_ij dP_ij - dlse
+  instead, PyTorch's form, from a first pass of the dQ kernel (``_attn_bwd_dq_kernel``).
 * ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
   tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
   in registers, never by expanding K/V in memory or by atomics.
@@ -47,7 +48,7 @@ from .launch import (
 from .options import AttentionOptions
 from .scores import (
     DROPOUT, FP32_EXACT, MASK_LEFT, MASK_RIGHT, SINKS, dropout_keep, exp_logits, head_options, key_tile_ranges,
-    logit_unit, logit_units, logits, logits_grad, query_tile_ranges, query_tile_start, score_grads,
+    logit_unit, logit_units, logits, logits_grad, query_tile_ranges, query_tile_start, score_grads, visible,
 )
 from .tiles import (
     kv_sources, load_row_stat, load_tile, load_tile_from, mma, mma_into_head, mma_over_head, round_to, sequence_span,
@@ -226,15 +227,14 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_loop(
-    dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta,
+    dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Accumulate dQ of one query tile over key tiles [kv_start, kv_end); under FP32_EXACT also
-    each row's sum of P (``p_sum``, see ``_attn_bwd_dq_kernel``)."""
+    """Accumulate dQ of one query tile over key tiles [kv_start, kv_end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
@@ -244,10 +244,7 @@ def _dq_key_loop(
         cols = (start_n + offs_n)[None, :]
         qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
         s, capped = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
-        p = exp_logits(s * logit_unit(score, VARIANT) - lse_units[:, None], VARIANT)
-        if FP32_EXACT & VARIANT:
-            p_sum += tl.sum(p, 1)
-        p_grad = logits_grad(p, capped, VARIANT)
+        p_grad = logits_grad(exp_logits(s * logit_unit(score, VARIANT) - lse_units[:, None], VARIANT), capped, VARIANT)
         dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
         if DROPOUT & VARIANT:
             dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), dp, 0.0)
@@ -257,7 +254,40 @@ def _dq_key_loop(
             dq_a, dq_b = mma_into_head(ds, k_a, k_b, dq_a, dq_b, DIM_B, PRECISION)
         else:  # dq_b must not be a loop variable here: warp specialisation fails on one left unchanged
             dq_a = mma(round_to(ds, k_a.dtype, PRECISION), k_a, dq_a, PRECISION)
-    return dq_a, dq_b, p_sum
+    return dq_a, dq_b
+
+
+@triton.jit
+def _dq_row_sums_loop(
+    p_sum, p_dp, q_a, q_b, do_a, do_b, lse_units,
+    k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+    offs_m, kv_start, kv_end, seqlen_k, diag, window, score, dropout,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
+    MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """The fp32 dQ kernel's first pass over key tiles [kv_start, kv_end): add each query row's sum
+    of P to ``p_sum`` and of P * dP to ``p_dp`` (dP with dropout's mask but not its 1 / (1 - p); 0
+    at pairs the row does not see), P and dP recomputed as ``_dq_key_loop`` and the dK/dV kernel
+    recompute them (``_attn_bwd_dq_kernel``)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        k_a, k_b = load_tile_from(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                  MASKED, USE_TMA)
+        v_a, v_b = load_tile_from(v_descs, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
+                                  MASKED, USE_TMA)
+        cols = (start_n + offs_n)[None, :]
+        s, _ = logits(mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION), offs_m[:, None], cols, seqlen_k, diag,
+                      window, score, MASKED, VARIANT)
+        p = exp_logits(s * logit_unit(score, VARIANT) - lse_units[:, None], VARIANT)
+        dp = mma_over_head(do_a, do_b, v_a, v_b, DIM_B, PRECISION)
+        if DROPOUT & VARIANT:
+            dp = tl.where(dropout_keep(offs_m, start_n, dropout, BLOCK_N, False, VARIANT), dp, 0.0)
+        p_times_dp = p * dp
+        if MASKED:  # (a NaN dP of a pair the row does not see stays out, as it does of dS: score_grads)
+            p_times_dp = tl.where(visible(offs_m[:, None], cols, seqlen_k, diag, window, VARIANT), p_times_dp, 0.0)
+        p_sum += tl.sum(p, 1)
+        p_dp += tl.sum(p_times_dp, 1)
+    return p_sum, p_dp
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
@@ -281,10 +311,19 @@ def _attn_bwd_dq_kernel(
     """dQ of BLOCK_M query rows. COMPUTE_DELTA: compute and store their delta here (the preprocess
     kernel's work; dense calls only, since every query row then has a program) instead of reading it.
 
-    FP32_EXACT: P recomputed from the stored fp32 lse carries its rounding, one factor c per row
-    (2^-19 relative at lse ~30), which PyTorch's fp32 softmax does not have. c is the row's sum of
-    P (plus the sink's term), since the true P sums to 1: the kernel divides dQ by it and stores
-    1 / c in RowScale for the dK/dV kernel and the sinks' gradient, which run after it."""
+    FP32_EXACT: a first pass over the key tiles (``_dq_row_sums_loop``, two matmuls per tile)
+    makes two row statistics, stored for the dK/dV kernel and the sinks' gradient, which run after
+    this kernel, and used by its own loop:
+    * RowScale = 1 / c. P recomputed from the stored fp32 lse carries its rounding, one factor c
+      per row (2^-19 relative at lse ~30), which PyTorch's fp32 softmax does not have. c is the
+      row's sum of P (plus the sink's term), since the true P sums to 1; P is multiplied by 1 / c
+      (here dQ, once).
+    * Delta = sum_j P_ij dP_ij - dlse (P times 1 / c), PyTorch's softmax-backward form, instead of
+      rowsum(dO * O) - dlse. Both equal the true delta up to rounding, but this one is made of the
+      very P and dP that dS = P (dP - delta) takes: where one key holds nearly all of a row's P,
+      dP - delta of that key is a small difference in which dP's rounding cancels, as it does in
+      PyTorch; rowsum(dO * O) holds O's rounding instead, which does not cancel (tests/test_fuzz.py
+      case 82: dK at 7x PyTorch's error with it, 0.5x with this one)."""
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -312,46 +351,74 @@ def _attn_bwd_dq_kernel(
         delta = _store_row_delta(tile_base(Out, batch, head, q_first, stride_ob, stride_oh, stride_om), do_a, do_b,
                                  tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), delta_base,
                                  start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, HAS_DLSE)
-    else:
+    elif not (FP32_EXACT & VARIANT):  # (fp32: from the first pass below)
         delta = load_row_stat(delta_base, start_m, seqlen_q, 0.0, BLOCK_M, True)
     if DROPOUT & VARIANT:  # dS = P (keep dP / (1 - p) - delta) = P (keep dP - delta (1 - p)) / (1 - p): the
         dropout_scale = tl.cast(dropout_scale, tl.float32)  # loop leaves 1 / (1 - p) to the end
-        delta = delta / dropout_scale
+        if not (FP32_EXACT & VARIANT):
+            delta = delta / dropout_scale
         softmax_scale = softmax_scale * dropout_scale
     k_base, v_base, k_descs, v_descs = kv_sources(
         K, V, batch, kv_head, k_first, tl.num_programs(1) // GROUP_SIZE, seqlen_k, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, K, 0, 0, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA, WARP_SPECIALIZE, 0)
     lo, full_lo, full_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
-
-    dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
-    dq_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
-    p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if MASK_LEFT & VARIANT:  # key tiles crossing the window's left edge
-        dq_a, dq_b, p_sum = _dq_key_loop(
-            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
-            stride_kn, stride_vn,
-            offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+    if FP32_EXACT & VARIANT:  # delta and RowScale from a first pass over the same key tiles
+        p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        p_dp = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if MASK_LEFT & VARIANT:
+            p_sum, p_dp = _dq_row_sums_loop(
+                p_sum, p_dp, q_a, q_b, do_a, do_b, lse_units, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+                offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
+                BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
+            )
+        p_sum, p_dp = _dq_row_sums_loop(
+            p_sum, p_dp, q_a, q_b, do_a, do_b, lse_units, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA,
         )
-    dq_a, dq_b, p_sum = _dq_key_loop(
-        dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
-        stride_kn, stride_vn,
-        offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
-    )
-    if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
-        dq_a, dq_b, p_sum = _dq_key_loop(
-            dq_a, dq_b, p_sum, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
-            stride_kn, stride_vn,
+        p_sum, p_dp = _dq_row_sums_loop(
+            p_sum, p_dp, q_a, q_b, do_a, do_b, lse_units, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA,
         )
-    if FP32_EXACT & VARIANT:
         if SINKS & VARIANT:
             p_sum += exp_logits(sink - lse_units, VARIANT)
         row_scale = reciprocal(tl.where(p_sum > 0, p_sum, 1.0), VARIANT)  # (rows that see nothing: P = 0 anyway)
         scale_base = tile_base(RowScale, batch, head, q_first, stride_stat_b, stride_stat_h, 1)
         tl.store(scale_base + offs_m, row_scale, mask=offs_m < seqlen_q)
+        delta = p_dp * row_scale
+        if DROPOUT & VARIANT:
+            delta = delta * dropout_scale
+        if HAS_DLSE:
+            delta -= load_row_stat(tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1), start_m,
+                                   seqlen_q, 0.0, BLOCK_M, True)
+        tl.store(delta_base + offs_m, delta, mask=offs_m < seqlen_q)
+        if DROPOUT & VARIANT:  # (the loop's units, as above)
+            delta = delta / dropout_scale
+
+    dq_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
+    dq_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
+    if MASK_LEFT & VARIANT:  # key tiles crossing the window's left edge
+        dq_a, dq_b = _dq_key_loop(
+            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
+            stride_kn, stride_vn,
+            offs_m, lo, full_lo, seqlen_k, diag, window, score, dropout,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+        )
+    dq_a, dq_b = _dq_key_loop(
+        dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
+        stride_kn, stride_vn,
+        offs_m, full_lo, full_hi, seqlen_k, diag, window, score, dropout,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE,
+    )
+    if not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
+        dq_a, dq_b = _dq_key_loop(
+            dq_a, dq_b, q_a, q_b, do_a, do_b, lse_units, delta, k_base, v_base, k_descs, v_descs,
+            stride_kn, stride_vn,
+            offs_m, full_hi, hi, seqlen_k, diag, window, score, dropout,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False,
+        )
+    if FP32_EXACT & VARIANT:
         dq_a, dq_b = dq_a * row_scale[:, None], dq_b * row_scale[:, None]
     store_tile(tile_base(DQ, batch, head, q_first, stride_dqb, stride_dqh, stride_dqm), dq_a * softmax_scale,
                dq_b * softmax_scale, start_m, stride_dqm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
@@ -391,8 +458,9 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
 
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
-    # fp32: the dQ kernel measures the rounding of the stored lse, 1 / c per row (RowScale), and runs
-    # before the dK/dV kernel and the sinks' gradient, which take it (_attn_bwd_dq_kernel)
+    # fp32: the dQ kernel makes delta itself (from P and dP, not O) and the row scale 1 / c of the
+    # stored lse's rounding, and runs before the dK/dV kernel and the sinks' gradient, which take
+    # both (_attn_bwd_dq_kernel)
     exact = bool(matmul["VARIANT"] & FP32_EXACT.value)
     row_scale = layout.new_row_stats(q) if exact else delta  # (an unread stand-in otherwise)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
@@ -403,16 +471,17 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     gluon_dq = hopper_route.dq(options, layout, interpreted, q, k, v, dout)
     # A plain dense tl dQ kernel computes delta itself and runs first, saving the preprocess launch
     # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
-    # that behind the extra prologue (docs/design.md#backward).
-    delta_in_dq = not dq_plan.specialized and not layout.is_varlen and gluon_dq is None
+    # that behind the extra prologue (docs/design.md#backward). The fp32 one always makes delta, in
+    # its first pass.
+    delta_in_dq = exact or (not dq_plan.specialized and not layout.is_varlen and gluon_dq is None)
 
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
             q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
-            USE_TMA=dq_plan.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq, HAS_DLSE=has_dlse,
-            **config.launch_args(),
+            USE_TMA=dq_plan.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq and not exact,
+            HAS_DLSE=has_dlse, **config.launch_args(),
         )
 
     def launch_dkdv(config, specialized):
@@ -433,8 +502,6 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
-    if exact and not delta_in_dq:  # (the Gluon kernels take no fp32)
-        launch_fitting(dq_plan, launch_dq)
     gluon_dkdv = hopper_route.dkdv(options, layout, interpreted, q, k, v, dout)
     if gluon_dkdv is not None:
         gluon_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
@@ -442,7 +509,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         launch_fitting(dkdv_plan, launch_dkdv)
     if gluon_dq is not None:
         gluon_dq(dout, q, k, v, lse, delta, dq, options, layout)
-    elif not delta_in_dq and not exact:
+    elif not delta_in_dq:
         launch_fitting(dq_plan, launch_dq)
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel, row_scale if exact else None)
 
@@ -452,7 +519,8 @@ def _sink_grad_kernel(Lse, Delta, RowScale, Sinks, DSinks, stride_b, stride_h, n
                       BLOCK: tl.constexpr, SCALED: tl.constexpr):
     """d loss / d sink of one head (grid axis 0): -sum over its rows of exp(sink - lse) * delta
     (0 on rows with lse = +inf), summed in a fixed order, so bitwise repeatable. SCALED (fp32):
-    each row's term times its RowScale (the dQ kernel's correction of the stored lse's rounding)."""
+    each row's term times its RowScale (the dQ kernel's correction of the stored lse's rounding);
+    delta is then the dQ kernel's sum_j P_ij dP_ij - dlse."""
     head = tl.program_id(0)
     sink = tl.load(Sinks + head).to(tl.float32)
     total = tl.zeros([BLOCK], dtype=tl.float32)
