@@ -30,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (renamed in Triton 3.9)
-RING_TILES, RING_ROWS, RING_COLS = gl.constexpr(16), gl.constexpr(64), gl.constexpr(64)
+TILES, ROWS, COLS = 16, 64, 64  # the ring control's tiles per program and tile shape
+RING_TILES, RING_ROWS, RING_COLS = gl.constexpr(TILES), gl.constexpr(ROWS), gl.constexpr(COLS)
 TOP, BOTTOM = gl.constexpr(0), gl.constexpr(1)  # which half of each tile a consumer warpgroup sums
 
 CONTROL_PROGRAMS = 264  # two CTAs per SM of an H100, as the attention grids of the sanitizer's cases fill
@@ -107,10 +108,10 @@ def tensor_descriptor():
 
 
 def warp_specialize_ring():
-    x = torch.randn(CONTROL_PROGRAMS * RING_TILES * RING_ROWS, RING_COLS, device="cuda", dtype=torch.bfloat16)
-    layout = gl.NVMMASharedLayout.get_default_for([RING_ROWS, RING_COLS], gl.bfloat16)
-    desc = TensorDescriptor(x, list(x.shape), [RING_COLS, 1], [RING_ROWS, RING_COLS], layout)
-    out = torch.empty(CONTROL_PROGRAMS * RING_ROWS, RING_COLS, device="cuda")
+    x = torch.randn(CONTROL_PROGRAMS * TILES * ROWS, COLS, device="cuda", dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], gl.bfloat16)
+    desc = TensorDescriptor(x, list(x.shape), [COLS, 1], [ROWS, COLS], layout)
+    out = torch.empty(CONTROL_PROGRAMS * ROWS, COLS, device="cuda")
     _warp_specialize_ring_control[(CONTROL_PROGRAMS,)](desc, out, num_warps=4)
-    expected = x.float().view(CONTROL_PROGRAMS, RING_TILES, RING_ROWS, RING_COLS).sum(1).view_as(out)
+    expected = x.float().view(CONTROL_PROGRAMS, TILES, ROWS, COLS).sum(1).view_as(out)
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-4, msg="the ring control summed wrong values")
