@@ -1,7 +1,8 @@
 """Offline tuning of the launch-config table in flash_attention_kernel/configs.py.
 
-Run on the target GPU. For each kernel (fwd, bwd_dkdv, bwd_dq), head dim and mask (causal or
-not) it times a short list of candidate configs, each with and without tensor descriptors (TMA),
+Run on the target GPU. It tunes the tl kernels, so the Gluon kernels are off (FLASH_ATTENTION_GLUON=0:
+on Hopper they would take the d64/d128 calls it times). For each kernel (fwd, bwd_dkdv, bwd_dq), head
+dim and mask (causal or not) it times a short list of candidate configs, each with and without tensor descriptors (TMA),
 on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default, bf16; stored
 (batch, heads, seqlen, dim) as the benchmark passes them, or --layout bshd), checks that each
 candidate computes what the current table entry computes, and reports the fastest next to the
@@ -29,6 +30,7 @@ import argparse
 from dataclasses import astuple
 import json
 import multiprocessing
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +38,9 @@ import torch
 import triton
 import triton.testing
 
+# The table tunes the tl kernels: on Hopper the Gluon kernels would take the d64/d128 calls it
+# times (hopper_route), so they are off here, in this process and its compile workers
+os.environ["FLASH_ATTENTION_GLUON"] = "0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "torch-ext" / "flash_attention"))
 
