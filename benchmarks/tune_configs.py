@@ -123,8 +123,8 @@ def _takes_warp_specialization(kernel, head_dim, causal, tensors):
     q, k = tensors[:2]
     layout = launch_module.SequenceLayout.of(q, k)
     read = tensors[:3] if kernel == "fwd" else tensors
-    return launch_module.launch_plan(kernel, head_dim, q.dtype, _options(head_dim, causal), layout, False,
-                                     *read).specialized
+    return launch_module.tl_launch(kernel, head_dim, q.dtype, _options(head_dim, causal), layout, False,
+                                  *read).specialized
 
 
 def _run(kernel, head_dim, causal, tensors):

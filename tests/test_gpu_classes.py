@@ -83,7 +83,7 @@ def test_smaller_configs_end(configs):
 def _plan(fa, launch, q, k, v):
     options = fa.flash_attention_kernel.AttentionOptions(q.shape[-1] ** -0.5, False)
     layout = launch.SequenceLayout.of(q, k)
-    return launch.launch_plan("fwd", q.shape[-1], q.dtype, options, layout, True, q, k, v)
+    return launch.tl_launch("fwd", q.shape[-1], q.dtype, options, layout, True, q, k, v)
 
 
 def test_out_of_resources_steps_down_once(fa, launch, configs, monkeypatch):
@@ -121,13 +121,13 @@ def test_out_of_resources_steps_down_once(fa, launch, configs, monkeypatch):
 
 
 def test_fixed_config_steps_down_and_remembers(fa, launch, configs, monkeypatch):
-    """A kernel outside the table (the probabilities kernel) launches through fixed_launch_plan:
+    """A kernel outside the table (the probabilities kernel) launches through fixed_tl_launch:
     it steps down like the table's kernels, and its next plan starts from the config that fit."""
     monkeypatch.setattr(launch, "_FITTED", {})
     options = fa.flash_attention_kernel.AttentionOptions(0.125, False, dropout_p=0.1)
     chosen = configs.TileConfig(32, 32, 4, 1)
     device = torch.device("cpu")
-    plan = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options.variant, device)
+    plan = launch.fixed_tl_launch("probs", chosen, 192, torch.float32, options.variant, device)
     assert plan.config == chosen and not plan.specialized and not plan.tma
 
     def fits_16_rows(config, specialized):
@@ -136,12 +136,12 @@ def test_fixed_config_steps_down_and_remembers(fa, launch, configs, monkeypatch)
 
     with pytest.warns(RuntimeWarning, match="probs kernel"):
         launch.launch_fitting(plan, fits_16_rows)
-    again = launch.fixed_launch_plan("probs", chosen, 192, torch.float32, options.variant, device)
+    again = launch.fixed_tl_launch("probs", chosen, 192, torch.float32, options.variant, device)
     assert again.config == configs.TileConfig(16, 32, 4, 2)
 
 
 def test_out_of_resources_when_nothing_fits(launch, configs):
-    plan = launch.LaunchPlan("fwd", configs.TileConfig(32, 16, 4, 1), False, False, ("key",))
+    plan = launch.TlLaunch("fwd", configs.TileConfig(32, 16, 4, 1), False, False, ("key",))
 
     def never(config, specialized):
         raise OutOfResources(1 << 20, 1, "shared memory")

@@ -32,7 +32,7 @@ def _bshd(batch, seqlen, heads, dtype, head_dim=128):
     return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda" if ON_GPU else "cpu")
 
 
-def _plans(fa, q, k, v, causal=False, **options):
+def _routed_to_gluon(fa, q, k, v, causal=False, **options):
     """Whether (``hopper_route.dkdv``, ``hopper_route.dq``) route these inputs to the Gluon kernels
     (as attention_backward asks them)."""
     kernels = fa.flash_attention_kernel
@@ -44,7 +44,7 @@ def _plans(fa, q, k, v, causal=False, **options):
 
 def _taken(fa, q, k, v, causal=False, **options):
     """Whether both Gluon kernels take these inputs."""
-    return all(_plans(fa, q, k, v, causal, **options))
+    return all(_routed_to_gluon(fa, q, k, v, causal, **options))
 
 
 def test_taken_only_where_they_can_work(fa, monkeypatch):
@@ -55,25 +55,26 @@ def test_taken_only_where_they_can_work(fa, monkeypatch):
     assert _taken(fa, q, k, v, causal=True, softcap=30.0, sinks=torch.zeros(4, device=q.device)) == \
         (ON_HOPPER and checked)
     assert _taken(fa, q, k, v, causal=True, dropout_p=0.1) == (ON_HOPPER and checked)
-    assert _plans(fa, q, k, v, dropout_p=0.1) == (ON_HOPPER and checked, False)  # (dQ: the tl kernel is faster)
+    # (dQ: the tl kernel is faster)
+    assert _routed_to_gluon(fa, q, k, v, dropout_p=0.1) == (ON_HOPPER and checked, False)
     assert _taken(fa, q, k, v) == (ON_HOPPER and checked)
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")  # any Triton; still only where the kernel can run
     assert _taken(fa, q, k, v) == ON_HOPPER and _taken(fa, q, k, v, causal=True, dropout_p=0.1) == ON_HOPPER
-    assert not any(_plans(fa, q[:, :120], k, v))  # a partial query tile
-    assert _plans(fa, q[:, :192], k, v) == (ON_HOPPER, False)  # whole for dK/dV, partial for dQ
-    assert _plans(fa, q, k[:, :192], v[:, :192]) == (False, ON_HOPPER)  # partial for dK/dV, whole for dQ
-    assert not any(_plans(fa, q, k[:, :160], v[:, :160]))
-    assert not any(_plans(fa, *(x[..., :96].contiguous() for x in (q, k, v))))  # head dim 96
-    assert not any(_plans(fa, q.float(), k.float(), v.float()))
+    assert not any(_routed_to_gluon(fa, q[:, :120], k, v))  # a partial query tile
+    assert _routed_to_gluon(fa, q[:, :192], k, v) == (ON_HOPPER, False)  # whole for dK/dV, partial for dQ
+    assert _routed_to_gluon(fa, q, k[:, :192], v[:, :192]) == (False, ON_HOPPER)  # partial for dK/dV, whole for dQ
+    assert not any(_routed_to_gluon(fa, q, k[:, :160], v[:, :160]))
+    assert not any(_routed_to_gluon(fa, *(x[..., :96].contiguous() for x in (q, k, v))))  # head dim 96
+    assert not any(_routed_to_gluon(fa, q.float(), k.float(), v.float()))
     slopes = torch.zeros(4, device=q.device)
     for options in (dict(window_left=64), dict(causal=True, window_left=64), dict(window_right=0),
                     dict(window_left=8, window_right=3, alibi_slopes=slopes), dict(causal=True, alibi_slopes=slopes)):
         assert _taken(fa, q, k, v, **options) == ON_HOPPER
     monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
-    assert not any(_plans(fa, q, k, v))
+    assert not any(_routed_to_gluon(fa, q, k, v))
     monkeypatch.delenv("FLASH_ATTENTION_TMA")
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
-    assert not any(_plans(fa, q, k, v))
+    assert not any(_routed_to_gluon(fa, q, k, v))
 
 
 # (tests/gluon_compile.py: args kernel, head dim, group, VARIANT, ALIBI_ABS)
@@ -172,7 +173,7 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, ta
         q = q * 4  # scores past the cap, where tanh' is small
     dout = torch.randn_like(q)
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
-    assert _plans(fa, q, k, v, causal=causal, softcap=softcap) == taken
+    assert _routed_to_gluon(fa, q, k, v, causal=causal, softcap=softcap) == taken
     ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, softcap=softcap)
     tl_kernel = _gradients(fa, monkeypatch, "0", q, k, v, dout, causal, softcap=softcap)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -217,7 +218,7 @@ def test_dropout_redraws_the_forward_mask(fa, monkeypatch, name, make, causal, t
     dout = torch.randn_like(q)
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
     dkdv_taken, dq_taken = taken  # (the Gluon dQ kernel leaves dropout without causal to the tl one)
-    assert _plans(fa, q, k, v, causal=causal, softcap=softcap, dropout_p=dropout_p) == (dkdv_taken, dq_taken and causal)
+    assert _routed_to_gluon(fa, q, k, v, causal=causal, softcap=softcap, dropout_p=dropout_p) == (dkdv_taken, dq_taken and causal)
     runs = {}
     for setting in ("1", "0", "1"):
         monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)

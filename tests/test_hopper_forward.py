@@ -33,7 +33,7 @@ def _bshd(batch, seqlen, heads, dtype, head_dim=128):
     return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=DEVICE)
 
 
-def _plan(fa, q, k, v, causal=False, **options):
+def _routed_to_gluon(fa, q, k, v, causal=False, **options):
     """Whether ``hopper_route.forward`` routes these inputs to the Gluon kernel (as attention_forward asks it)."""
     kernels = fa.flash_attention_kernel
     layout = kernels.launch.SequenceLayout.of(q, k)
@@ -45,13 +45,13 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 384, 2, BF16), _bshd(2, 384, 2, BF16)
     checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_route.CHECKED_VERSIONS)
     expected = ON_HOPPER and checked
-    assert _plan(fa, q, k, v, causal=True) == expected
-    assert _plan(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7) == expected
-    assert _plan(fa, q, k, v, sinks=torch.zeros(4, device=q.device)) == expected
-    assert not _plan(fa, q, k[:, :192], v[:, :192])  # (keys not a multiple of 128)
-    assert not _plan(fa, q[:, :192], k, v)  # (queries not a multiple of 128)
-    assert not _plan(fa, q[..., :96], k[..., :96], v[..., :96])  # (head dim)
-    assert not _plan(fa, q.float(), k.float(), v.float())
+    assert _routed_to_gluon(fa, q, k, v, causal=True) == expected
+    assert _routed_to_gluon(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7) == expected
+    assert _routed_to_gluon(fa, q, k, v, sinks=torch.zeros(4, device=q.device)) == expected
+    assert not _routed_to_gluon(fa, q, k[:, :192], v[:, :192])  # (keys not a multiple of 128)
+    assert not _routed_to_gluon(fa, q[:, :192], k, v)  # (queries not a multiple of 128)
+    assert not _routed_to_gluon(fa, q[..., :96], k[..., :96], v[..., :96])  # (head dim)
+    assert not _routed_to_gluon(fa, q.float(), k.float(), v.float())
     kernels = fa.flash_attention_kernel
     cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32, device=q.device)
     varlen = kernels.launch.SequenceLayout.of(q.flatten(0, 1), k[:, :256].flatten(0, 1), cu_seqlens, cu_seqlens,
@@ -59,7 +59,7 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert kernels.hopper_route.forward(kernels.AttentionOptions(q.shape[-1] ** -0.5, True), varlen, not ON_GPU,
                                         q.flatten(0, 1), k[:, :256].flatten(0, 1), v[:, :256].flatten(0, 1)) is None
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
-    assert not _plan(fa, q, k, v, causal=True)
+    assert not _routed_to_gluon(fa, q, k, v, causal=True)
 
 
 # (tests/gluon_compile.py: args head dim, group, VARIANT, ALIBI_ABS)
@@ -182,7 +182,7 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, options, d
                              softcap=options.get("softcap", 0.0), dropout_p=options.get("dropout_p", 0.0),
                              alibi_slopes=options.get("alibi_slopes"), sinks=options.get("s_aux"))
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
-    assert _plan(fa, q, k, v, causal=causal, **attention_options)
+    assert _routed_to_gluon(fa, q, k, v, causal=causal, **attention_options)
     ours, lse, keep = _forward(fa, monkeypatch, "1", q, k, v, options)
     again = _forward(fa, monkeypatch, "1", q, k, v, options)
     assert torch.equal(ours, again[0]) and torch.equal(lse, again[1])

@@ -38,12 +38,12 @@ def _descriptors_possible():
 
 
 def _specialized(fa, q, k, v, causal=False, layout=None, kernel="fwd", **options):
-    """Whether ``kernel`` runs warp-specialised on these inputs (launch.launch_plan, as the
+    """Whether ``kernel`` runs warp-specialised on these inputs (launch.tl_launch, as the
     launchers call it); ``options``: AttentionOptions' keywords."""
     launch = fa.flash_attention_kernel.launch
     layout = layout or launch.SequenceLayout.of(q, k)
     options = fa.flash_attention_kernel.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
-    return launch.launch_plan(kernel, q.shape[-1], q.dtype, options, layout, not ON_GPU, q, k, v).specialized
+    return launch.tl_launch(kernel, q.shape[-1], q.dtype, options, layout, not ON_GPU, q, k, v).specialized
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):

@@ -43,7 +43,7 @@ from .configs import head_dim_chunks
 from .forward import reciprocal
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_fitting, launch_plan, on_tensor_device, precision_mode,
+    launch_fitting, tl_launch, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import (
@@ -464,23 +464,23 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     exact = bool(matmul["VARIANT"] & FP32_EXACT.value)
     row_scale = layout.new_row_stats(q) if exact else delta  # (an unread stand-in otherwise)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
-    dkdv_plan = launch_plan("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
-    dq_plan = launch_plan("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
-    if (dkdv_plan.tma or dq_plan.tma) and not interpreted:
+    dkdv_launch = tl_launch("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
+    dq_launch = tl_launch("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
+    if (dkdv_launch.tma or dq_launch.tma) and not interpreted:
         ensure_scratch_allocator()
     gluon_dq = hopper_route.dq(options, layout, interpreted, q, k, v, dout)
     # A plain dense tl dQ kernel computes delta itself and runs first, saving the preprocess launch
     # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
     # that behind the extra prologue (docs/design.md#backward). The fp32 one always makes delta, in
     # its first pass.
-    delta_in_dq = exact or (not dq_plan.specialized and not layout.is_varlen and gluon_dq is None)
+    delta_in_dq = exact or (not dq_launch.specialized and not layout.is_varlen and gluon_dq is None)
 
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
             q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
-            USE_TMA=dq_plan.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq and not exact,
+            USE_TMA=dq_launch.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq and not exact,
             HAS_DLSE=has_dlse, **config.launch_args(),
         )
 
@@ -490,11 +490,11 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
             *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
             *option_args, **common, **matmul,
-            USE_TMA=dkdv_plan.tma, **config.launch_args(),
+            USE_TMA=dkdv_launch.tma, **config.launch_args(),
         )
 
     if delta_in_dq:
-        launch_fitting(dq_plan, launch_dq)
+        launch_fitting(dq_launch, launch_dq)
     else:
         pre_block = 64 if not interpreted else 32
         wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
@@ -506,11 +506,11 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     if gluon_dkdv is not None:
         gluon_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
     else:
-        launch_fitting(dkdv_plan, launch_dkdv)
+        launch_fitting(dkdv_launch, launch_dkdv)
     if gluon_dq is not None:
         gluon_dq(dout, q, k, v, lse, delta, dq, options, layout)
     elif not delta_in_dq:
-        launch_fitting(dq_plan, launch_dq)
+        launch_fitting(dq_launch, launch_dq)
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel, row_scale if exact else None)
 
 

@@ -334,7 +334,7 @@ _DERIVED_CACHES: list = []
 
 
 def cleared_by_overrides(cached_function):
-    """Register an lru_cache'd function whose results depend on the configs (decode._plan)."""
+    """Register an lru_cache'd function whose results depend on the configs (decode._decode_setup)."""
     _DERIVED_CACHES.append(cached_function)
     return cached_function
 

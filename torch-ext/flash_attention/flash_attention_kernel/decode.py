@@ -48,7 +48,7 @@ from .configs import GPU_CLASSES, TileConfig, decode_config, head_dim_chunks
 from .direct_launch import launcher
 from .forward import forward_key_loop, reciprocal, row_lse
 from .launch import (
-    LaunchPlan, check_gpu_supports, device_gpu_class, fixed_launch_plan, identity_wrap, is_interpreted,
+    TlLaunch, check_gpu_supports, device_gpu_class, fixed_tl_launch, identity_wrap, is_interpreted,
     kernel_variant, last_dim_contiguous, launch_fitting, on_tensor_device, precision_mode, refitted,
 )
 from .options import AttentionOptions
@@ -299,22 +299,23 @@ def _pow2(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """What one launch shape decides, once (``_plan``): the decode kernel's config, its programs
-    before splitting, the number of multiprocessors, and each kernel's grid and keywords."""
+class _DecodeSetup:
+    """What one launch shape decides, once (``_decode_setup``): the decode kernel's config, its
+    programs before splitting, the number of multiprocessors, and each kernel's grid and keywords."""
 
     config: TileConfig
     programs: int
     num_sms: int
-    fit: LaunchPlan  # (launch.launch_fitting steps down from the config where it does not fit)
+    tl_launch: TlLaunch  # (launch.launch_fitting steps down from the config where it does not fit)
     decode: dict  # SPLIT -> keywords, with the config's
     merge: tuple  # (grid, keywords)
 
 
 @configs.cleared_by_overrides
 @functools.lru_cache(maxsize=1024)
-def _plan(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_new, page_size, variant,
-          rotate_by_row, seqlens_per_batch, has_batch_idx, has_leftpad, rotary_dim, interleaved, interpreted) -> _Plan:
+def _decode_setup(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_new, page_size, variant,
+                  rotate_by_row, seqlens_per_batch, has_batch_idx, has_leftpad, rotary_dim, interleaved,
+                  interpreted) -> _DecodeSetup:
     if not interpreted:
         check_gpu_supports(device, dtype)
     precision = precision_mode(dtype, interpreted)
@@ -331,8 +332,9 @@ def _plan(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, seqlen_n
     merge = ((seqlen_q, num_heads, batch),
              dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=_pow2(head_dim), PRECISION=precision, num_warps=4))
     num_sms = 4 if interpreted else torch.cuda.get_device_properties(device).multi_processor_count
-    fit = fixed_launch_plan("decode", config, head_dim, dtype, variant, device)
-    return _Plan(config, max(1, -(-rows // config.block_m)) * heads_k * batch, num_sms, fit, decode, merge)
+    tl_launch = fixed_tl_launch("decode", config, head_dim, dtype, variant, device)
+    return _DecodeSetup(config, max(1, -(-rows // config.block_m)) * heads_k * batch, num_sms, tl_launch, decode,
+                        merge)
 
 
 @on_tensor_device
@@ -350,7 +352,7 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     out like q; lse fp32 (batch, heads, seqlen_q). Inputs are assumed validated.
 
     Host time matters here as much as the kernels' (a decode step's kernels take microseconds):
-    what depends only on the shapes and options is decided once per shape (``_plan``) and the
+    what depends only on the shapes and options is decided once per shape (``_decode_setup``) and the
     kernels launch through direct_launch.launcher.
     """
     q = last_dim_contiguous(q)
@@ -363,11 +365,11 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     interpreted = is_interpreted(_decode_kernel)
     device = q.device
     # (int(): symbolic sizes under torch.compile's dynamic shapes are specialised here)
-    plan = _plan(device, q.dtype, int(batch), int(seqlen_q), int(num_heads), int(head_dim), int(heads_k),
-                 int(seqlen_new), int(page_size),
-                 kernel_variant(options, q.dtype, interpreted), options.mask_kind != "none",
-                 cache_seqlens is not None, cache_batch_idx is not None, cache_leftpad is not None, rotary_dim,
-                 bool(rotary_interleaved), interpreted)
+    setup = _decode_setup(device, q.dtype, int(batch), int(seqlen_q), int(num_heads), int(head_dim), int(heads_k),
+                          int(seqlen_new), int(page_size),
+                          kernel_variant(options, q.dtype, interpreted), options.mask_kind != "none",
+                          cache_seqlens is not None, cache_batch_idx is not None, cache_leftpad is not None,
+                          rotary_dim, bool(rotary_interleaved), interpreted)
     stand_in = q
     if rotary_dim:
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
@@ -394,7 +396,7 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
         num_splits = 1
     elif num_splits == 0:
         longest = capacity if cache_seqlens is not None else min(capacity, cache_seqlen + seqlen_new)
-        num_splits = num_splits_heuristic(plan.programs, -(-longest // plan.config.block_n), plan.num_sms,
+        num_splits = num_splits_heuristic(setup.programs, -(-longest // setup.config.block_n), setup.num_sms,
                                           2 if page_size else 1)
     split = num_splits > 1
     if split:
@@ -407,7 +409,7 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
     rows = seqlen_q * (num_heads // heads_k)
 
     def launch(config, specialized):
-        keywords = plan.decode[split] if config is plan.config else {**plan.decode[split], **config.launch_args()}
+        keywords = setup.decode[split] if config is setup.config else {**setup.decode[split], **config.launch_args()}
         launcher(_decode_kernel, wrap_kernel)[(max(1, -(-rows // config.block_m)) * num_splits, heads_k, batch)](
             q, k_cache, v_cache, *new_args[0], targets[0], targets[1], seqlens_arg, batch_idx_arg,
             cache_leftpad if cache_leftpad is not None else stand_in, *table_args, *rotary_args,
@@ -415,9 +417,9 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
             seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, *options.kernel_args(q), **keywords,
         )
 
-    launch_fitting(refitted(plan.fit), launch)
+    launch_fitting(refitted(setup.tl_launch), launch)
     if split:
-        grid, keywords = plan.merge
+        grid, keywords = setup.merge
         launcher(_merge_kernel, wrap_kernel)[grid](
             out_splits, lse_splits, out, lse, num_splits, *out_splits.stride()[:4], *lse_splits.stride()[:3],
             *out.stride()[:3], *lse.stride()[:2], SPLIT_BLOCK=min(_pow2(num_splits), MERGE_ELEMENTS // _pow2(head_dim)),

@@ -46,7 +46,7 @@ from . import hopper_route
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_fitting, launch_plan, on_tensor_device, precision_mode,
+    launch_fitting, tl_launch, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
 from .scores import (
@@ -244,8 +244,8 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
         gluon_forward(q, k, v, out, lse, options, layout)
         return out, lse
     dim_a, dim_b = head_dim_chunks(head_dim)
-    plan = launch_plan("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)
-    if plan.tma and not interpreted:
+    fwd_launch = tl_launch("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)
+    if fwd_launch.tma and not interpreted:
         ensure_scratch_allocator()
 
     def launch(config, specialized):
@@ -257,11 +257,11 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
             VARIANT=kernel_variant(options, q.dtype, interpreted, forward=True, max_keys=layout.seqlen_k),
             IS_VARLEN=layout.is_varlen,
             PRECISION=precision_mode(q.dtype, interpreted),
-            USE_TMA=plan.tma, WARP_SPECIALIZE=specialized, PAGE_SIZE=layout.page_size,
+            USE_TMA=fwd_launch.tma, WARP_SPECIALIZE=specialized, PAGE_SIZE=layout.page_size,
             **config.launch_args(),
         )
 
-    launch_fitting(plan, launch)
+    launch_fitting(fwd_launch, launch)
     return out, lse
 
 

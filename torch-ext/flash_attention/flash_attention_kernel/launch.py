@@ -65,8 +65,8 @@ WARP_SPECIALIZABLE = SOFTCAP | ALIBI | SINKS
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """How one kernel (fwd, bwd_dkdv, bwd_dq) launches: its tile config, whether its loop is
+class TlLaunch:
+    """How one tl kernel (fwd, bwd_dkdv, bwd_dq, probs, decode) launches: its tile config, whether its loop is
     warp-specialised, whether it reads through tensor descriptors, and ``fit_key``, under which
     launch_fitting remembers a smaller config where this one did not fit the GPU."""
 
@@ -77,9 +77,9 @@ class LaunchPlan:
     fit_key: tuple = ()
 
 
-def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: AttentionOptions, layout: "SequenceLayout",
-                interpreted: bool, *tensors: torch.Tensor) -> LaunchPlan:
-    """The LaunchPlan of one launch of ``kernel``: the table's warp-specialised entry where the
+def tl_launch(kernel: str, head_dim: int, dtype: torch.dtype, options: AttentionOptions, layout: "SequenceLayout",
+                interpreted: bool, *tensors: torch.Tensor) -> TlLaunch:
+    """The TlLaunch of one launch of ``kernel``: the table's warp-specialised entry where the
     call can take it (``warp_specialize``), else its plain entry, for the class of the GPU that
     holds ``tensors`` (``device_gpu_class``), unless an earlier launch found it too big there.
     The warp-specialised kernels (forward, dQ) loop over key tiles, which are all full when
@@ -102,39 +102,39 @@ def launch_plan(kernel: str, head_dim: int, dtype: torch.dtype, options: Attenti
         specialized, [tma] = False, [False] if paged else use_tma([config.tma], interpreted, *tensors)
     fit_key = (tensors[0].device, kernel, int(head_dim), dtype, options.variant, config, specialized)
     if _FITTED and fit_key in _FITTED:  # (empty unless a launch ran out of memory: no hashing per launch)
-        return LaunchPlan(kernel, _FITTED[fit_key], False, tma, fit_key)
-    return LaunchPlan(kernel, config, specialized, tma, fit_key)
+        return TlLaunch(kernel, _FITTED[fit_key], False, tma, fit_key)
+    return TlLaunch(kernel, config, specialized, tma, fit_key)
 
 
 # fit_key -> the config a launch fell back to after OutOfResources (launch_fitting)
 _FITTED: dict = {}
 
 
-def fixed_launch_plan(kernel: str, config: TileConfig, head_dim: int, dtype: torch.dtype, variant: int,
-                      device: torch.device) -> LaunchPlan:
-    """The LaunchPlan of a kernel outside the config table, whose launcher chose ``config``
+def fixed_tl_launch(kernel: str, config: TileConfig, head_dim: int, dtype: torch.dtype, variant: int,
+                      device: torch.device) -> TlLaunch:
+    """The TlLaunch of a kernel outside the config table, whose launcher chose ``config``
     itself (the probabilities and KV-cache kernels), for options of constexpr ``variant``, so that
     launch_fitting steps it down where it does not fit."""
-    return refitted(LaunchPlan(kernel, config, False, False, (device, kernel, int(head_dim), dtype, variant, config,
+    return refitted(TlLaunch(kernel, config, False, False, (device, kernel, int(head_dim), dtype, variant, config,
                                                                False)))
 
 
-def refitted(plan: LaunchPlan) -> LaunchPlan:
-    """``plan`` with the config an earlier launch of its key fell back to, if one did (a launcher
-    may keep a plan across calls)."""
-    if _FITTED and plan.fit_key in _FITTED:
-        return replace(plan, config=_FITTED[plan.fit_key])
-    return plan
+def refitted(tl_launch: TlLaunch) -> TlLaunch:
+    """``tl_launch`` with the config an earlier launch of its key fell back to, if one did (a
+    launcher may keep a TlLaunch across calls)."""
+    if _FITTED and tl_launch.fit_key in _FITTED:
+        return replace(tl_launch, config=_FITTED[tl_launch.fit_key])
+    return tl_launch
 
 
-def launch_fitting(plan: LaunchPlan, launch: Callable[[TileConfig, bool], None]) -> None:
-    """``launch(config, specialized)`` with the plan's config; where the GPU lacks the shared
+def launch_fitting(tl_launch: TlLaunch, launch: Callable[[TileConfig, bool], None]) -> None:
+    """``launch(config, specialized)`` with ``tl_launch``'s config; where the GPU lacks the shared
     memory for it (Triton raises OutOfResources before the kernel runs, e.g. under a Triton
     release whose pipeliner allocates more than the one the table was checked with), retry with
     the plain loop, then with ``configs.smaller_config`` until one fits, remember that one for
-    this plan's key and warn once. Under torch.compile the launch is traced, so there the table's
+    its key and warn once. Under torch.compile the launch is traced, so there the table's
     entry must fit (tests/test_resource_arch.py checks that it does)."""
-    config, specialized = plan.config, plan.specialized
+    config, specialized = tl_launch.config, tl_launch.specialized
     while True:
         try:
             return launch(config, specialized)
@@ -142,11 +142,11 @@ def launch_fitting(plan: LaunchPlan, launch: Callable[[TileConfig, bool], None])
             smaller = config if specialized else smaller_config(config)
             if smaller is None:
                 raise
-            warnings.warn(f"flash_attention: the {plan.kernel} kernel's config {config} "
+            warnings.warn(f"flash_attention: the {tl_launch.kernel} kernel's config {config} "
                           f"{'(warp-specialised) ' if specialized else ''}does not fit this GPU ({error}); "
                           f"trying {smaller} for this shape from now on", RuntimeWarning, stacklevel=3)
             config, specialized = smaller, False
-            _FITTED[plan.fit_key] = config
+            _FITTED[tl_launch.fit_key] = config
 
 
 @functools.lru_cache(maxsize=None)

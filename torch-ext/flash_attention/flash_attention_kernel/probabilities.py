@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .configs import TileConfig, head_dim_chunks
 from .launch import (
-    SequenceLayout, fixed_launch_plan, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
+    SequenceLayout, fixed_tl_launch, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
     launch_fitting, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
@@ -102,5 +102,5 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
             PRECISION=precision_mode(q.dtype, interpreted), **config.launch_args(),
         )
 
-    launch_fitting(fixed_launch_plan("probs", config, head_dim, q.dtype, options.variant, q.device), launch)
+    launch_fitting(fixed_tl_launch("probs", config, head_dim, q.dtype, options.variant, q.device), launch)
     return probs
