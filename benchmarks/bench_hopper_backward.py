@@ -32,7 +32,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch-ext", "flash_attention"))
 from flash_attention_kernel import AttentionOptions, attention_backward, attention_forward  # noqa: E402
 from flash_attention_kernel import backward as tl_backward  # noqa: E402
-from flash_attention_kernel import hopper_dkdv, hopper_dq, hopper_route  # noqa: E402
+from flash_attention_kernel import hopper_dkdv, hopper_dq, hopper_route, planner  # noqa: E402
 from flash_attention_kernel.launch import SequenceLayout  # noqa: E402
 from flash_attention_kernel.options import draw_rng_state  # noqa: E402
 
@@ -51,20 +51,18 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def _kernels(gluon, skip=None):
-    """The backward with the Gluon kernels named in ``gluon`` taking their calls (the others the tl
-    kernels), and kernel ``skip`` (either kind) launching nothing."""
-    saved = {name: (module.plan, getattr(module, launcher)) for name, (module, launcher, _) in KERNELS.items()}
+    """The backward with the Gluon kernels named in ``gluon`` running their passes and the tl
+    kernels the others (the planner's override hook), and kernel ``skip`` (either kind) launching
+    nothing."""
     skipped = KERNELS[skip][2] if skip else None
-    try:
-        for name, (module, launcher, _) in KERNELS.items():
-            module.plan = (lambda *args, taken=name in gluon: taken)
-            if name == skip:
-                setattr(module, launcher, lambda *args, **kwargs: None)
+    with contextlib.ExitStack() as stack:
+        for name in KERNELS:
+            stack.enter_context(planner.override(f"bwd_{name}", implementation="gluon" if name in gluon else "tl"))
+        if skip:
+            module, launcher, _ = KERNELS[skip]
+            stack.callback(setattr, module, launcher, getattr(module, launcher))
+            setattr(module, launcher, lambda *args, **kwargs: None)
         yield lambda kernel: _NoLaunch() if kernel is skipped else kernel
-    finally:
-        for name, (module, launcher, _) in KERNELS.items():
-            module.plan, launched = saved[name]
-            setattr(module, launcher, launched)
 
 
 def measure(seqlen, heads, head_dim, causal, softcap, dropout):
@@ -80,7 +78,7 @@ def measure(seqlen, heads, head_dim, causal, softcap, dropout):
     label = f"seqlen {seqlen:5d} causal={causal!s:5} softcap={softcap:g} dropout={dropout:g}"
     os.environ["FLASH_ATTENTION_GLUON"] = "1"
     taken = tuple(name for name in KERNELS
-                  if getattr(hopper_route, name)(options, layout, False, q, k, v, dout) is not None)
+                  if hopper_route.chosen(f"bwd_{name}", options, layout, False, (q, k, v, dout)))
     if not taken:
         return f"{label}: not taken by Gluon"
 
@@ -120,7 +118,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=128, choices=sorted(hopper_dkdv.STAGES))
+    parser.add_argument("--head-dim", type=int, default=128, choices=hopper_route.HEAD_DIMS)
     parser.add_argument("--softcap", type=float, default=50.0)
     parser.add_argument("--dropout", type=float, default=0.1)
     args = parser.parse_args()

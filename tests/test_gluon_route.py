@@ -56,13 +56,14 @@ def test_failed_gluon_import_turns_the_kernel_off(fa, monkeypatch):
 def test_gluon_kernels_build_under_this_triton(fa, monkeypatch):
     """Under the Triton the suite runs with (a checked one on the GPU, 3.7 in CI), each Gluon
     kernel module imports: a Gluon API change shows here as well as in the warning."""
-    route = fa.flash_attention_kernel.hopper_route
+    kernels = fa.flash_attention_kernel
+    route = kernels.hopper_route
     monkeypatch.setattr(route, "_loaded", {})
-    for name in route.PROGRAM_TILES:
-        module = route._load(name)
-        assert module is not None, name
-        rows, keys = route.PROGRAM_TILES[name]
-        warpgroups = (2, 1) if name != "hopper_dkdv" else (1, 2)
+    for kernel, (name, _) in route.KERNELS.items():
+        assert route.launcher(kernel) is not None, kernel
+        module = route._loaded[name]
+        rows, keys = kernels.configs.GLUON_TILES[kernel]
+        warpgroups = (2, 1) if kernel != "bwd_dkdv" else (1, 2)
         assert (module.QUERY_ROWS * warpgroups[0], module.KEY_ROWS * warpgroups[1]) == (rows, keys)
 
 
@@ -75,6 +76,6 @@ def test_route_declines_without_hopper(fa):
     options = kernels.AttentionOptions(0.125, True)
     interpreted = kernels.interpreter_active()
     on_hopper = q.is_cuda and torch.cuda.get_device_capability()[0] == 9 and not interpreted
-    for route in (kernels.hopper_route.dkdv, kernels.hopper_route.dq):
-        assert (route(options, layout, interpreted, q, q, q, q) is not None) <= on_hopper
-    assert (kernels.hopper_route.forward(options, layout, interpreted, q, q, q) is not None) <= on_hopper
+    for kernel in ("bwd_dkdv", "bwd_dq"):
+        assert kernels.hopper_route.chosen(kernel, options, layout, interpreted, (q, q, q, q)) <= on_hopper
+    assert kernels.hopper_route.chosen("fwd", options, layout, interpreted, (q, q, q)) <= on_hopper

@@ -33,13 +33,13 @@ def _bshd(batch, seqlen, heads, dtype, head_dim=128):
 
 
 def _routed_to_gluon(fa, q, k, v, causal=False, **options):
-    """Whether (``hopper_route.dkdv``, ``hopper_route.dq``) route these inputs to the Gluon kernels
-    (as attention_backward asks them)."""
+    """Whether the planner gives these inputs' (dK/dV, dQ) passes to the Gluon kernels (as
+    attention_backward asks it)."""
     kernels = fa.flash_attention_kernel
     layout = kernels.launch.SequenceLayout.of(q, k)
     attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
-    return tuple(route(attention, layout, not ON_GPU, q, k, v, torch.empty_like(q)) is not None
-                 for route in (kernels.hopper_route.dkdv, kernels.hopper_route.dq))
+    plan = kernels.planner.plan_backward(attention, layout, not ON_GPU, q, k, v, torch.empty_like(q))
+    return plan.dkdv.implementation == "gluon", plan.dq.implementation == "gluon"
 
 
 def _taken(fa, q, k, v, causal=False, **options):
@@ -103,7 +103,9 @@ else:
     function = module._dq_kernel
     row_calls = sys.modules[name + ".flash_attention_kernel.hopper_dropout"].row_calls
     extra = dict(KEYS=module.KEY_ROWS, CALLS_LAYOUT=row_calls(module.KEY_ROWS))
-stages = module.ring_stages(variant, head_dim) if kernel == "dkdv" else module.STAGES[head_dim]
+configs = importlib.import_module(name + ".flash_attention_kernel.configs")
+mask_left = importlib.import_module(name + ".flash_attention_kernel.options").MASK_LEFT
+stages = configs.gluon_config("bwd_" + kernel, head_dim, "window" if variant & mask_left else "none").stages
 constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=stages, VARIANT=variant,
                  ALIBI_ABS=alibi_abs, **extra)
 signature = dict(
@@ -287,8 +289,9 @@ def test_windows_and_alibi(fa, monkeypatch, name, shape, options):
         dropout_p=dropout_p, alibi_slopes=options.get("alibi_slopes"), sinks=options.get("s_aux"))
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
     layout = kernels.launch.SequenceLayout.of(q, k)
-    assert kernels.hopper_route.dkdv(attention, layout, False, q, k, v, dout) is not None
-    assert (kernels.hopper_route.dq(attention, layout, False, q, k, v, dout) is not None) == (causal or not dropout_p)
+    plan = kernels.planner.plan_backward(attention, layout, False, q, k, v, dout)
+    assert plan.dkdv.implementation == "gluon"
+    assert (plan.dq.implementation == "gluon") == (causal or not dropout_p)
     runs = {}
     for setting in ("1", "0", "1"):
         monkeypatch.setenv("FLASH_ATTENTION_GLUON", setting)

@@ -34,11 +34,11 @@ def _bshd(batch, seqlen, heads, dtype, head_dim=128):
 
 
 def _routed_to_gluon(fa, q, k, v, causal=False, **options):
-    """Whether ``hopper_route.forward`` routes these inputs to the Gluon kernel (as attention_forward asks it)."""
+    """Whether the planner gives these inputs' forward to the Gluon kernel (as attention_forward asks it)."""
     kernels = fa.flash_attention_kernel
     layout = kernels.launch.SequenceLayout.of(q, k)
     attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, **options)
-    return kernels.hopper_route.forward(attention, layout, not ON_GPU, q, k, v) is not None
+    return kernels.planner.plan_forward(attention, layout, not ON_GPU, q, k, v).implementation == "gluon"
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):
@@ -56,8 +56,9 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32, device=q.device)
     varlen = kernels.launch.SequenceLayout.of(q.flatten(0, 1), k[:, :256].flatten(0, 1), cu_seqlens, cu_seqlens,
                                               256, 256)
-    assert kernels.hopper_route.forward(kernels.AttentionOptions(q.shape[-1] ** -0.5, True), varlen, not ON_GPU,
-                                        q.flatten(0, 1), k[:, :256].flatten(0, 1), v[:, :256].flatten(0, 1)) is None
+    assert kernels.planner.plan_forward(kernels.AttentionOptions(q.shape[-1] ** -0.5, True), varlen, not ON_GPU,
+                                        q.flatten(0, 1), k[:, :256].flatten(0, 1),
+                                        v[:, :256].flatten(0, 1)).implementation == "tl"
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
     assert not _routed_to_gluon(fa, q, k, v, causal=True)
 
@@ -66,6 +67,7 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
 _KERNEL_SIGNATURE = """
 head_dim, group, variant, alibi_abs = int(args[0]), int(args[1]), int(args[2]), args[3] == "True"
 module = importlib.import_module(name + ".flash_attention_kernel.hopper_forward")
+configs = importlib.import_module(name + ".flash_attention_kernel.configs")
 
 def descriptor(rows):
     shared = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
@@ -75,8 +77,9 @@ types = dict(q_desc=descriptor(module.QUERY_ROWS), k_desc=descriptor(module.KEY_
              v_desc=descriptor(module.KEY_ROWS), Out="*bf16", Lse="*fp32", Sinks="*fp32", AlibiSlopes="*fp32",
              RngState="*i64", qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
              dropout_scale="fp32")
-constants = dict(HEAD_DIM=head_dim, KEYS=module.KEY_ROWS, GROUP_SIZE=group, STAGES=module.STAGES[head_dim],
-                 CALLS_LAYOUT=module.CALLS, VARIANT=variant, ALIBI_ABS=alibi_abs)
+constants = dict(HEAD_DIM=head_dim, KEYS=module.KEY_ROWS, GROUP_SIZE=group,
+                 STAGES=configs.gluon_config("fwd", head_dim, "none").stages, CALLS_LAYOUT=module.CALLS,
+                 VARIANT=variant, ALIBI_ABS=alibi_abs)
 function = module._forward_kernel
 signature = {n: "constexpr" if n in constants else types.get(n, "i64" if n.startswith("stride_o") else "i32")
              for n in function.arg_names}

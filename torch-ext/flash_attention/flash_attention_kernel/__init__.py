@@ -3,15 +3,18 @@
 Plain torch tensors in, tensors out; no torch.library here (the Hub package in
 torch-ext/flash_attention registers these launchers as torch ops). Layouts: dense
 (batch, seqlen, heads, head_dim) or varlen (total_tokens, heads, head_dim) with cu_seqlens, any
-strides whose last dim is contiguous. A call flows options -> launcher -> launch plan -> kernel.
+strides whose last dim is contiguous. A call flows options -> launcher -> planner -> kernel.
 
 The options and the launch:
 * options.py: AttentionOptions, every option beyond the inputs (scale, causal, window, softcap,
   ALiBi, sinks, dropout) as one object, and what the launchers derive from it.
 * configs.py: the fixed table of tile sizes, warps and stages per GPU class, head dim, mask kind,
-  sequence-length bucket and dtype (no autotuning), with the tuner's override.
-* launch.py: host-side helpers (sequence layout, strides, precision mode, launch plan, TMA and
-  warp-specialization choices, stepping down a config that does not fit).
+  sequence-length bucket and dtype (no autotuning), the Gluon kernels' tiles and ring depths, and
+  the one override hook (set_override: a pass's kernel and config).
+* planner.py: which kernel (tl or Gluon) runs each pass of a call with which config, and where the
+  backward's delta comes from; the launchers launch what it says.
+* launch.py: host-side helpers (sequence layout, strides, precision mode, a tl kernel's launch:
+  TlLaunch, its TMA and warp-specialization choices, stepping down a config that does not fit).
 * direct_launch.py: DirectKernel, relaunching a compiled kernel without JITFunction.run's per-call
   host work (decoding's host time).
 
@@ -29,7 +32,7 @@ The tl kernels (every supported GPU, configs.MIN_CAPABILITY up, and the CPU inte
 * rotary.py: rotary position embeddings (RoPE), in place or not, dense or varlen, with offsets.
 
 The Gluon kernels for Hopper (sm_90, dense bf16/fp16 calls in full tiles; imported on first use):
-* hopper_route.py: which calls take the Gluon kernels, decided without importing Gluon, and
+* hopper_route.py: which calls the Gluon kernels take, decided without importing Gluon, and
   their loading (a Triton whose Gluon fails to import falls back to the tl kernels).
 * hopper_gluon.py: what the Gluon kernels share: arguments, TMA rings, score math, and the Gluon
   names that moved between Triton releases.

@@ -26,6 +26,7 @@ the gradients are
 * On Hopper, dense bf16/fp16 calls with full tiles and head dim 64 or 128, with any options,
   take ``hopper_dkdv`` and ``hopper_dq`` instead: the same math in Gluon, with a producer warp and
   two consumer warpgroups that run out of step (FlashAttention-3's structure, ``hopper_gluon``).
+  ``planner.plan_backward`` makes these choices (delta's source, each pass's kernel and config).
 
 Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit only
 the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /
@@ -38,14 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hopper_route
 from .configs import head_dim_chunks
 from .forward import reciprocal
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_fitting, tl_launch, on_tensor_device, precision_mode,
+    launch_fitting, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
+from .planner import DELTA_FP32_PASS, DELTA_IN_DQ, plan_backward
 from .scores import (
     DROPOUT, FP32_EXACT, MASK_LEFT, MASK_RIGHT, SINKS, dropout_keep, exp_logits, head_options, key_tile_ranges,
     logit_unit, logit_units, logits, logits_grad, query_tile_ranges, query_tile_start, score_grads, visible,
@@ -463,24 +464,18 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     # both (_attn_bwd_dq_kernel)
     exact = bool(matmul["VARIANT"] & FP32_EXACT.value)
     row_scale = layout.new_row_stats(q) if exact else delta  # (an unread stand-in otherwise)
-    # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
-    dkdv_launch = tl_launch("bwd_dkdv", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
-    dq_launch = tl_launch("bwd_dq", head_dim, q.dtype, options, layout, interpreted, q, k, v, dout)
-    if (dkdv_launch.tma or dq_launch.tma) and not interpreted:
+    plan = plan_backward(options, layout, interpreted, q, k, v, dout)
+    if any(step.tl is not None and step.tl.tma for step in (plan.dq, plan.dkdv)) and not interpreted:
         ensure_scratch_allocator()
-    gluon_dq = hopper_route.dq(options, layout, interpreted, q, k, v, dout)
-    # A plain dense tl dQ kernel computes delta itself and runs first, saving the preprocess launch
-    # and its pass over O and dO; the warp-specialised and the varlen dQ kernels lose more than
-    # that behind the extra prologue (docs/design.md#backward). The fp32 one always makes delta, in
-    # its first pass.
-    delta_in_dq = exact or (not dq_launch.specialized and not layout.is_varlen and gluon_dq is None)
+    # delta from the tl dQ kernel (its prologue, or the fp32 first pass), which then runs first
+    delta_in_dq = plan.delta_source in (DELTA_IN_DQ, DELTA_FP32_PASS)
 
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
             q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
-            USE_TMA=dq_launch.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=delta_in_dq and not exact,
+            USE_TMA=plan.dq.tl.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=plan.delta_source == DELTA_IN_DQ,
             HAS_DLSE=has_dlse, **config.launch_args(),
         )
 
@@ -490,11 +485,11 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
             *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
             *option_args, **common, **matmul,
-            USE_TMA=dkdv_launch.tma, **config.launch_args(),
+            USE_TMA=plan.dkdv.tl.tma, **config.launch_args(),
         )
 
     if delta_in_dq:
-        launch_fitting(dq_launch, launch_dq)
+        launch_fitting(plan.dq.tl, launch_dq)
     else:
         pre_block = 64 if not interpreted else 32
         wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
@@ -502,15 +497,14 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
-    gluon_dkdv = hopper_route.dkdv(options, layout, interpreted, q, k, v, dout)
-    if gluon_dkdv is not None:
-        gluon_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout)
+    if plan.dkdv.gluon is not None:
+        plan.dkdv.gluon(dout, q, k, v, lse, delta, dk, dv, options, layout, plan.dkdv.gluon_config)
     else:
-        launch_fitting(dkdv_launch, launch_dkdv)
-    if gluon_dq is not None:
-        gluon_dq(dout, q, k, v, lse, delta, dq, options, layout)
+        launch_fitting(plan.dkdv.tl, launch_dkdv)
+    if plan.dq.gluon is not None:
+        plan.dq.gluon(dout, q, k, v, lse, delta, dq, options, layout, plan.dq.gluon_config)
     elif not delta_in_dq:
-        launch_fitting(dq_launch, launch_dq)
+        launch_fitting(plan.dq.tl, launch_dq)
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel, row_scale if exact else None)
 
 

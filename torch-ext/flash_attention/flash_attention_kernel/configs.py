@@ -323,9 +323,54 @@ _SM75 = ConfigTable(
 TABLES = {"sm90": _SM90, "sm100": _SM100, "sm80": _SM80, "sm86": _SM86, "sm75": _SM75}
 
 
-# The tuner's hook (benchmarks/tune_configs.py): kernel -> (config, warp-specialised?) that
-# replaces the table's choice for every launch of that kernel. Empty in normal use.
+# The Hopper Gluon kernels (hopper_forward, hopper_dq, hopper_dkdv; routed by hopper_route).
+# (query rows, keys) of one program of each: a call fits only if its sequence lengths are
+# multiples of both (TMA reads full tiles; a ragged one would read the next slice's rows). The
+# forward and dQ hold two consumer warpgroups of 64 query rows each and stream key tiles of 128
+# (forward) or 64 (dQ); dK/dV holds two warpgroups of 64 keys each and streams query tiles of 64.
+# The kernels compile these in (their ROWS and KEYS constexprs), so an override keeps them.
+GLUON_TILES = {"fwd": (128, 128), "bwd_dq": (128, 64), "bwd_dkdv": (64, 128)}
+# Ring depth (shared-memory buffers of the streamed tiles) per (kernel, head dim), as deep as the
+# 227 KB hold where that helped (docs/design.md#hopper-gluon-kernels): forward Q 2 * 64 * d
+# elements + each stage 2 * 128 * d (d128: 32 + 3 * 64 KB); dQ Q and dO 4 * 64 * d + each stage
+# 2 * 64 * d (5 stages gained nothing at d128); dK/dV K and V 4 * 64 * d + each stage 2 * 64 * d.
+GLUON_STAGES = {
+    ("fwd", 64): 4, ("fwd", 128): 3,
+    ("bwd_dq", 64): 6, ("bwd_dq", 128): 4,
+    ("bwd_dkdv", 64): 4, ("bwd_dkdv", 128): 3,
+}
+# Under a window's left edge a dK/dV program visits few query tiles, two of them masked and some
+# released unread, and a deeper ring keeps the producer ahead: +2-7% on the window backward at
+# d128, where the other variants lost 3-5% (docs/design.md#gluon-dkdv)
+GLUON_WINDOW_STAGES = {("bwd_dkdv", 64): 4, ("bwd_dkdv", 128): 4}
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Launch shape of one Hopper Gluon kernel: ``query_tile`` query rows and ``key_tile`` keys per
+    program (GLUON_TILES: compiled into the kernel) and a ring of ``stages`` buffers."""
+
+    query_tile: int
+    key_tile: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class Override:
+    """What ``set_override`` fixes for every launch of one pass: ``implementation`` "tl" or
+    "gluon" (None: hopper_route decides), and ``config`` (None: the table's) of that kernel, a
+    TileConfig taken as the tl kernel's warp-specialised entry if ``warp_specialized`` else as its
+    plain entry, or a GluonConfig."""
+
+    implementation: Optional[str]
+    config: object = None
+    warp_specialized: bool = False
+
+
+# The one hook over launch decisions (set_override): pass (fwd, bwd_dq, bwd_dkdv, decode) ->
+# Override. Empty in normal use; the tuner, benchmarks and tests set it.
 OVERRIDES: dict = {}
+PASSES = ("fwd", "bwd_dq", "bwd_dkdv", "decode")
 
 
 # Caches of launch decisions made from this module's configs (functools.lru_cache'd functions),
@@ -339,15 +384,56 @@ def cleared_by_overrides(cached_function):
     return cached_function
 
 
-def set_override(kernel: str, config: Optional[TileConfig], warp_specialized: bool = False) -> None:
-    """Make every launch of ``kernel`` use ``config`` (None: the table again), as its
-    warp-specialised entry or as its plain one with warp specialisation off."""
-    if config is None:
+def set_override(kernel: str, config=None, warp_specialized: bool = False,
+                 implementation: Optional[str] = None) -> None:
+    """Make every launch of pass ``kernel`` (fwd, bwd_dq, bwd_dkdv, decode) run ``implementation``
+    ("tl" or "gluon") with ``config``; both None: the table and hopper_route again.
+
+    A TileConfig is the tl kernel's (its warp-specialised entry if ``warp_specialized``, else its
+    plain one with warp specialisation off) and implies "tl"; a GluonConfig is the Gluon kernel's
+    (its tiles must be GLUON_TILES', which the kernel compiles in; its stages are free) and implies
+    "gluon". "gluon" runs the Gluon kernel on every call it can run (hopper_route.fits, whatever
+    FLASH_ATTENTION_GLUON says) and raises a ValueError on the others; "tl" never runs it."""
+    if kernel not in PASSES:
+        raise ValueError(f"set_override: no pass {kernel!r}; one of {PASSES}")
+    implied = {TileConfig: "tl", GluonConfig: "gluon"}.get(type(config))
+    if config is not None and implied is None:
+        raise TypeError(f"set_override: {config!r} is neither a TileConfig nor a GluonConfig")
+    if implementation not in (None, "tl", "gluon") or (implied and implementation not in (None, implied)):
+        raise ValueError(f"set_override: implementation {implementation!r} with {config!r}")
+    if implementation == "gluon" and kernel not in GLUON_TILES:
+        raise ValueError(f"set_override: the {kernel} pass has no Gluon kernel")
+    if isinstance(config, GluonConfig) and (config.query_tile, config.key_tile) != GLUON_TILES.get(kernel):
+        raise ValueError(f"set_override: the Gluon {kernel} kernel's tiles are {GLUON_TILES.get(kernel)} "
+                         f"(compiled in), not {(config.query_tile, config.key_tile)}")
+    if config is None and implementation is None:
         OVERRIDES.pop(kernel, None)
     else:
-        OVERRIDES[kernel] = (config, warp_specialized)
+        OVERRIDES[kernel] = Override(implementation or implied, config, warp_specialized)
     for cached_function in _DERIVED_CACHES:
         cached_function.cache_clear()
+
+
+def overridden_implementation(kernel: str) -> Optional[str]:
+    """The implementation ("tl", "gluon") an override forces on pass ``kernel``, None if none does."""
+    override = OVERRIDES.get(kernel)
+    return override.implementation if override is not None else None
+
+
+def _overridden_config(kernel: str, config_type) -> Optional[Override]:
+    """The override of pass ``kernel`` where it sets a config of ``config_type``."""
+    override = OVERRIDES.get(kernel)
+    return override if override is not None and isinstance(override.config, config_type) else None
+
+
+def gluon_config(kernel: str, head_dim: int, mask: str) -> GluonConfig:
+    """The Gluon ``kernel``'s (fwd, bwd_dq, bwd_dkdv) config at ``head_dim`` (64 or 128) for
+    ``mask`` (options.AttentionOptions.mask_kind)."""
+    override = _overridden_config(kernel, GluonConfig)
+    if override is not None:
+        return override.config
+    stages = GLUON_WINDOW_STAGES.get((kernel, head_dim)) if mask == "window" else None
+    return GluonConfig(*GLUON_TILES[kernel], stages or GLUON_STAGES[kernel, head_dim])
 
 
 def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: bool, mask: str = "none",
@@ -356,8 +442,9 @@ def tile_config(kernel: str, head_dim: int, dtype: torch.dtype, interpreted: boo
     ``mask`` ("none", "causal" or "window": options.AttentionOptions.mask_kind), with or without
     dropout, whose longest sequence has ``seqlen`` rows, on a GPU of class ``gpu`` (a name in
     TABLES)."""
-    if kernel in OVERRIDES and not OVERRIDES[kernel][1]:
-        return OVERRIDES[kernel][0]
+    override = _overridden_config(kernel, TileConfig)
+    if override is not None and not override.warp_specialized:
+        return override.config
     # int/bool: under torch.compile's dynamic shapes these may be symbolic (then specialised here)
     bucket = next((bucket for bucket in SEQLEN_BUCKETS if bool(seqlen <= bucket)), None)
     return _table_entry(kernel, int(head_dim), dtype, interpreted, mask, bucket, bool(dropout), gpu)
@@ -368,9 +455,9 @@ def warp_specialized_config(kernel: str, head_dim: int, dtype: torch.dtype, inte
     """The table's warp-specialised config for ``kernel`` on a problem whose longest sequence has
     ``seqlen`` rows, or None where it has none. Under the interpreter the small test tiles stand in
     for it, at any length, so that the tests reach this path."""
-    if kernel in OVERRIDES:
-        config, warp_specialized = OVERRIDES[kernel]
-        return config if warp_specialized else None
+    override = _overridden_config(kernel, TileConfig)
+    if override is not None:
+        return override.config if override.warp_specialized else None
     entry = _warp_specialized_entry(kernel, int(head_dim), dtype, mask, gpu)
     if entry is None:
         return None
@@ -438,8 +525,9 @@ def decode_config(rows: int, head_dim: int, dtype: torch.dtype, interpreted: boo
     so the loads in flight set its speed). Measured on an H200 (docs/design.md#decode): bf16
     d128 decode best at 16 x 128 x 4 warps x 3 stages; 512 queries x 32k keys 561 us at
     128 x 64 x 8 x 3 against 715 us at 64 x 128 x 4 x 3."""
-    if "decode" in OVERRIDES:
-        return OVERRIDES["decode"][0]
+    override = _overridden_config("decode", TileConfig)
+    if override is not None:
+        return override.config
     block_m = min(max(16, 1 << (max(rows, 1) - 1).bit_length()), 128)
     if interpreted:
         return TileConfig(min(block_m, 64), 32, 4, 1)

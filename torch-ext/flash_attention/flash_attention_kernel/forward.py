@@ -25,7 +25,7 @@ masked ranges in one loop, which saves a pipeline fill and drain per program; ot
 full range, then the masked one.
 
 On Hopper, dense calls with full tiles (bf16/fp16, head dim 64 or 128, any options) take the
-Gluon kernel ``hopper_forward`` instead (``hopper_route.forward``): the same math with warp roles and
+Gluon kernel ``hopper_forward`` instead (``planner.plan_forward``): the same math with warp roles and
 FlashAttention-3's overlap of each tile's softmax with the previous tile's P V product.
 
 Dense and variable-length batches share the kernel: with IS_VARLEN a program reads its sequence's
@@ -42,13 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hopper_route
 from .configs import head_dim_chunks
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
-    launch_fitting, tl_launch, on_tensor_device, precision_mode,
+    launch_fitting, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
+from .planner import plan_forward
 from .scores import (
     DROPOUT, FIXED_PIVOT, FP32_EXACT, LN2, MASK_LEFT, dropout_keep, exp_logits, head_options, key_tile_ranges,
     logit_unit, logits, query_tile_start, row_start,
@@ -239,13 +239,12 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
         return out.zero_(), _lse_without_keys(lse, options)
 
     interpreted = is_interpreted(_attn_fwd_kernel)
-    gluon_forward = hopper_route.forward(options, layout, interpreted, q, k, v)
-    if gluon_forward is not None:
-        gluon_forward(q, k, v, out, lse, options, layout)
+    plan = plan_forward(options, layout, interpreted, q, k, v)
+    if plan.gluon is not None:
+        plan.gluon(q, k, v, out, lse, options, layout, plan.gluon_config)
         return out, lse
     dim_a, dim_b = head_dim_chunks(head_dim)
-    fwd_launch = tl_launch("fwd", head_dim, q.dtype, options, layout, interpreted, q, k, v)
-    if fwd_launch.tma and not interpreted:
+    if plan.tl.tma and not interpreted:
         ensure_scratch_allocator()
 
     def launch(config, specialized):
@@ -257,11 +256,11 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
             VARIANT=kernel_variant(options, q.dtype, interpreted, forward=True, max_keys=layout.seqlen_k),
             IS_VARLEN=layout.is_varlen,
             PRECISION=precision_mode(q.dtype, interpreted),
-            USE_TMA=fwd_launch.tma, WARP_SPECIALIZE=specialized, PAGE_SIZE=layout.page_size,
+            USE_TMA=plan.tl.tma, WARP_SPECIALIZE=specialized, PAGE_SIZE=layout.page_size,
             **config.launch_args(),
         )
 
-    launch_fitting(fwd_launch, launch)
+    launch_fitting(plan.tl, launch)
     return out, lse
 
 

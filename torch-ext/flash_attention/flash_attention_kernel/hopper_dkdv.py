@@ -24,7 +24,7 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
-``hopper_route.dkdv`` decides where it runs (full tiles here are 64 query rows and 128 keys);
+``hopper_route.chosen`` decides where it runs (full tiles here are 64 query rows and 128 keys);
 everything else takes the tl kernel.
 """
 
@@ -39,23 +39,13 @@ from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, option_arguments,
     release_unread, ring_barriers, tile_arguments, tile_logits, tile_logits_grad, tma_load,
 )
-from .hopper_route import PROGRAM_TILES
+from .configs import GLUON_TILES, GluonConfig
 from .launch import SequenceLayout
-from .options import MASK_LEFT, AttentionOptions
+from .options import AttentionOptions
 
 # query rows per ring buffer (the wgmma N of S^T, K of dV and dK), keys per consumer warpgroup (the wgmma M of S^T)
-QUERY_ROWS, KEY_ROWS = PROGRAM_TILES["hopper_dkdv"][0], PROGRAM_TILES["hopper_dkdv"][1] // 2
-# Ring depth per head dim (shared memory: K and V 4 * 64 * d, each stage 2 * 64 * d elements). Under
-# a window's left edge a program visits few query tiles, two of them masked and some released
-# unread, and a deeper ring keeps the producer ahead: +2-7% on the window backward at d128, where
-# the other variants lost 3-5% (docs/design.md#gluon-dkdv)
-STAGES = {64: 4, 128: 3}
-WINDOW_STAGES = {64: 4, 128: 4}
-
-
-def ring_stages(variant: int, head_dim: int) -> int:
-    """The ring depth of the kernel for these VARIANT bits and head dim."""
-    return (WINDOW_STAGES if variant & MASK_LEFT else STAGES)[head_dim]
+# The ring depth is the launch's (configs.GLUON_STAGES, GLUON_WINDOW_STAGES)
+QUERY_ROWS, KEY_ROWS = GLUON_TILES["bwd_dkdv"][0], GLUON_TILES["bwd_dkdv"][1] // 2
 
 
 def _tma_vector(x: torch.Tensor) -> torch.Tensor:
@@ -64,20 +54,23 @@ def _tma_vector(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions, layout: SequenceLayout) -> None:
-    """Write dK and dV (softmax_scale applied) of a call ``hopper_route.dkdv`` accepted; lse and delta are
+def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions, layout: SequenceLayout,
+                   config: GluonConfig) -> None:
+    """Write dK and dV (softmax_scale applied) of a call the planner gave this kernel, with its
+    ``config`` (planner.plan_backward); lse and delta are
     (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
     through torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
     batch, seqlen_k, num_heads_kv, head_dim = k.shape
     # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
-    stats = [TensorDescriptor(x, [x.numel()], [1], [QUERY_ROWS], STAT_LAYOUT)
+    rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
+    stats = [TensorDescriptor(x, [x.numel()], [1], [rows], STAT_LAYOUT)
              for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, lse)
-    _dkdv_kernel[(seqlen_k // (2 * KEY_ROWS), num_heads_kv, batch)](
-        *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
+    _dkdv_kernel[(seqlen_k // config.key_tile, num_heads_kv, batch)](
+        *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
         layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,
-        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=ring_stages(options.variant, head_dim),
+        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages,
         **constexprs, num_warps=4,
     )
 

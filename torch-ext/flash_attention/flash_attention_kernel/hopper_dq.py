@@ -28,7 +28,7 @@ slower (docs/design.md#hopper-gluon-kernels). Here:
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dQ is scaled by softmax_scale at the end), and delta comes from the preprocess kernel.
-``hopper_route.dq`` decides where it runs (full tiles here are 128 query rows and 64 keys;
+``hopper_route.chosen`` decides where it runs (full tiles here are 128 query rows and 64 keys;
 dropout only with causal masking); everything else takes the tl kernel.
 """
 
@@ -42,30 +42,32 @@ from .hopper_gluon import (
     query_program, release_unread, ring_barriers, round_pairs, stream_key_tiles, tile_arguments, tile_logits,
     tile_logits_grad, tma_load,
 )
-from .hopper_route import PROGRAM_TILES
+from .configs import GLUON_TILES, GluonConfig
 from .launch import SequenceLayout
 from .options import AttentionOptions
 
 # query rows per consumer warpgroup: the wgmma M of S and dQ; keys per ring buffer: the wgmma N
 # of S, K of dQ (the kernel and hopper_dropout.dropout_rows take 128 too: with half the ring it
 # measured within 2% of 64 either way and spills, docs/design.md#gluon-dq)
-QUERY_ROWS, KEY_ROWS = PROGRAM_TILES["hopper_dq"][0] // 2, PROGRAM_TILES["hopper_dq"][1]
-# Ring depth per head dim (shared memory: Q and dO 4 * 64 * d elements, each stage 2 * KEY_ROWS * d)
-STAGES = {64: 6, 128: 4}
+# The ring depth is the launch's (configs.GLUON_STAGES)
+QUERY_ROWS, KEY_ROWS = GLUON_TILES["bwd_dq"][0] // 2, GLUON_TILES["bwd_dq"][1]
 
 
-def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layout: SequenceLayout) -> None:
-    """Write dQ (softmax_scale applied) of a call ``hopper_route.dq`` accepted; lse and delta are contiguous
+def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layout: SequenceLayout,
+                 config: GluonConfig) -> None:
+    """Write dQ (softmax_scale applied) of a call the planner gave this kernel, with its ``config``
+    (planner.plan_backward); lse and delta are contiguous
     (batch, heads, seqlen_q) fp32 (``SequenceLayout.new_row_stats``) with delta already computed.
     The kernel launches directly, not through torch.library.wrap_triton: the route keeps traced
     calls on the tl kernels."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     arguments, constexprs = option_arguments(options, lse)
-    _dq_kernel[(seqlen_q // (2 * QUERY_ROWS), num_heads, batch)](
-        *tile_arguments((q, k, v, dout), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS, QUERY_ROWS)),
+    rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)
+    _dq_kernel[(seqlen_q // config.query_tile, num_heads, batch)](
+        *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         lse, delta, *layout.stat_strides(delta), dq, *layout.strides(dq),
         layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,
-        HEAD_DIM=head_dim, KEYS=KEY_ROWS, GROUP_SIZE=num_heads // k.shape[2], STAGES=STAGES[head_dim],
+        HEAD_DIM=head_dim, KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages,
         CALLS_LAYOUT=CALLS, **constexprs, num_warps=4,
     )
 

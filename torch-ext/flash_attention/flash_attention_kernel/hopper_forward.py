@@ -29,7 +29,7 @@ enters l (``hopper_dropout.dropout_rows``, drawn while the products run) and sca
 
 Causal and window bounds come from ``hopper_gluon.band_tiles``: each warpgroup visits masked
 tiles at the band's lower edge, full tiles, masked tiles at its upper edge, and releases unread
-the tiles only the other warpgroup sees. ``hopper_route.forward`` decides where it runs (full
+the tiles only the other warpgroup sees. ``hopper_route.chosen`` decides where it runs (full
 tiles of 128 query rows and KEYS keys); everything else, and ``return_attn_probs``' tile of
 probabilities, takes the tl kernels.
 """
@@ -45,16 +45,14 @@ from .hopper_gluon import (
     forward_logits, key_tiles, option_arguments, query_program, release_unread, ring_barriers, round_pairs,
     stream_key_tiles, tile_arguments, tma_load,
 )
-from .hopper_route import PROGRAM_TILES
+from .configs import GLUON_TILES, GluonConfig
 from .launch import SequenceLayout, kernel_variant
 from .options import FIXED_PIVOT, LN2, SCORES_AHEAD, SINKS, AttentionOptions
 from .scores import PIVOT_HEADROOM
 
-# query rows per consumer warpgroup (the wgmma M of S and O), keys per ring buffer (the wgmma N of S, K of P V)
-QUERY_ROWS, KEY_ROWS = PROGRAM_TILES["hopper_forward"][0] // 2, PROGRAM_TILES["hopper_forward"][1]
-# Ring depth per head dim (shared memory: Q 2 * 64 * d elements, each stage 2 * KEY_ROWS * d;
-# d128: 32 + 3 * 64 KB of the 227 KB)
-STAGES = {64: 4, 128: 3}
+# query rows per consumer warpgroup (the wgmma M of S and O), keys per ring buffer (the wgmma N of
+# S, K of P V); the ring depth is the launch's (configs.GLUON_STAGES)
+QUERY_ROWS, KEY_ROWS = GLUON_TILES["fwd"][0] // 2, GLUON_TILES["fwd"][1]
 
 
 def forward_bits(options: AttentionOptions, dtype: torch.dtype) -> int:
@@ -66,19 +64,21 @@ def forward_bits(options: AttentionOptions, dtype: torch.dtype) -> int:
     return bits | (SCORES_AHEAD if options.dropout_p > 0 else 0)
 
 
-def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: SequenceLayout) -> None:
+def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: SequenceLayout,
+                      config: GluonConfig) -> None:
     """Write out and lse ((batch, heads, seqlen_q) fp32, ``SequenceLayout.new_row_stats``) of a
-    call ``hopper_route.forward`` accepted. Launched directly, not through
-    torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
+    call the planner gave this kernel, with its ``config`` (planner.plan_forward). Launched
+    directly, not through torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     arguments, constexprs = option_arguments(options, lse)
     constexprs["VARIANT"] |= forward_bits(options, q.dtype)
     sinks = lse if options.sinks is None else options.sinks
-    _forward_kernel[(seqlen_q // (2 * QUERY_ROWS), num_heads, batch)](
-        *tile_arguments((q, k, v), layout, (QUERY_ROWS, KEY_ROWS, KEY_ROWS)),
+    rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)
+    _forward_kernel[(seqlen_q // config.query_tile, num_heads, batch)](
+        *tile_arguments((q, k, v), layout, (rows, keys, keys)),
         out, *layout.strides(out), lse, *layout.stat_strides(lse), sinks,
         layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,
-        HEAD_DIM=head_dim, KEYS=KEY_ROWS, GROUP_SIZE=num_heads // k.shape[2], STAGES=STAGES[head_dim],
+        HEAD_DIM=head_dim, KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages,
         CALLS_LAYOUT=CALLS, **constexprs, num_warps=4,
     )
 

@@ -1,0 +1,225 @@
+"""The planner (flash_attention_kernel/planner.py): which kernel runs each pass with which config.
+
+On the CPU every pass runs its tl kernel: the planner's tl launches and delta source must be the
+ones the launchers chose before it existed (``launch.tl_launch`` per kernel and backward.py's delta
+rule), over a grid of dtypes, head dims, masks, options, varlen and the warp-specialised loops.
+The Gluon side needs a Hopper GPU; its decision logic is checked here with ``hopper_route.fits``
+made true and stand-ins for the Gluon launch functions: which passes go to Gluon, with the ring
+depths the Gluon modules used to hold, and that the backward plans no tl launch for a pass a Gluon
+kernel runs. The override hook (configs.set_override, planner.override) must force each choice.
+"""
+
+import pytest
+import torch
+
+from sizes import BF16
+
+FP16, FP32 = torch.float16, torch.float32
+
+GLUON_STAGES = {("fwd", 64): 4, ("fwd", 128): 3, ("bwd_dq", 64): 6, ("bwd_dq", 128): 4,
+                ("bwd_dkdv", 64): 4, ("bwd_dkdv", 128): 3}  # (the modules' STAGES before the planner)
+GLUON_WINDOW_STAGES = {64: 4, 128: 4}  # (hopper_dkdv.WINDOW_STAGES)
+OPTIONS = [dict(), dict(causal=True), dict(window_left=5, window_right=3), dict(softcap=20.0),
+           dict(dropout_p=0.1), dict(causal=True, dropout_p=0.1), dict(sinks=True)]
+
+
+@pytest.fixture
+def kernels(fa):
+    kernels = fa.flash_attention_kernel
+    yield kernels
+    for kernel in list(kernels.configs.OVERRIDES):
+        kernels.configs.set_override(kernel, None)
+
+
+def _call(kernels, dtype, head_dim, seqlen_q=32, seqlen_k=48, varlen=False, **options):
+    """(options, layout, q, k, v, dout) of a small call."""
+    if options.pop("sinks", False):
+        options["sinks"] = torch.zeros(2)
+    q = torch.randn(2, seqlen_q, 2, head_dim, dtype=dtype)
+    k, v = (torch.randn(2, seqlen_k, 1, head_dim, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    attention = kernels.AttentionOptions(head_dim ** -0.5, options.pop("causal", False), **options)
+    if varlen:
+        cu_q = torch.tensor([0, seqlen_q, 2 * seqlen_q], dtype=torch.int32)
+        cu_k = torch.tensor([0, seqlen_k, 2 * seqlen_k], dtype=torch.int32)
+        q, dout, k, v = (x.flatten(0, 1) for x in (q, dout, k, v))
+        layout = kernels.launch.SequenceLayout.of(q, k, cu_q, cu_k, seqlen_q, seqlen_k)
+    else:
+        layout = kernels.launch.SequenceLayout.of(q, k)
+    return attention, layout, q, k, v, dout
+
+
+def _delta_source_before(kernels, attention, layout, q, dq_launch):
+    """backward.py's rule before the planner, for a tl dQ kernel: fp32 from its first pass, a
+    plain dense dQ kernel in its prologue, else the preprocess kernel."""
+    planner = kernels.planner
+    if q.dtype == torch.float32:
+        return planner.DELTA_FP32_PASS
+    if not dq_launch.specialized and not layout.is_varlen:
+        return planner.DELTA_IN_DQ
+    return planner.DELTA_PREPROCESS
+
+
+@pytest.mark.parametrize("warp_specialize", ["", "1"])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_planner_tl_decisions_match_the_launchers_before(kernels, monkeypatch, head_dim, dtype, varlen,
+                                                          warp_specialize):
+    """On the CPU every pass is the tl kernel's, with the TlLaunch the launchers asked for before
+    the planner (tl_launch per kernel) and backward.py's delta source."""
+    monkeypatch.setenv("FLASH_ATTENTION_WS", warp_specialize)
+    for options in OPTIONS:
+        for seqlen_q, seqlen_k in ((32, 48), (17, 17)):
+            attention, layout, q, k, v, dout = _call(kernels, dtype, head_dim, seqlen_q, seqlen_k, varlen, **options)
+            launch = kernels.launch
+            forward = kernels.planner.plan_forward(attention, layout, True, q, k, v)
+            assert forward.implementation == "tl" and forward.gluon is None
+            assert forward.tl == launch.tl_launch("fwd", head_dim, dtype, attention, layout, True, q, k, v)
+            backward = kernels.planner.plan_backward(attention, layout, True, q, k, v, dout)
+            for step, kernel in ((backward.dq, "bwd_dq"), (backward.dkdv, "bwd_dkdv")):
+                assert step.implementation == "tl"
+                assert step.tl == launch.tl_launch(kernel, head_dim, dtype, attention, layout, True, q, k, v, dout)
+            assert backward.delta_source == _delta_source_before(kernels, attention, layout, q, backward.dq.tl)
+    if warp_specialize and not varlen and dtype != FP32 and head_dim == 128:  # (the dQ entry: d128 only)
+        attention, layout, q, k, v, dout = _call(kernels, dtype, head_dim, 64, 64)
+        backward = kernels.planner.plan_backward(attention, layout, True, q, k, v, dout)
+        assert backward.dq.tl.specialized and backward.delta_source == kernels.planner.DELTA_PREPROCESS
+
+
+@pytest.fixture
+def gluon_fits(kernels, monkeypatch):
+    """hopper_route.fits true wherever the options are allowed (as on an H100 under a checked
+    Triton), and stand-ins for the Gluon launch functions; returns pass -> stand-in."""
+    route = kernels.hopper_route
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    monkeypatch.setattr(route, "fits", lambda kernel, options, layout, interpreted, tensors,
+                        allowed_options=route.ALL_OPTIONS: not options.variant & ~allowed_options)
+    stand_ins = {kernel: (lambda *args, kernel=kernel: kernel) for kernel in route.KERNELS}
+    monkeypatch.setattr(route, "launcher", stand_ins.get)
+    return stand_ins
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
+    """Where the Gluon kernels fit: each pass runs its Gluon kernel, with its program tiles and the
+    ring depth the modules held; dQ stays on the tl kernel for dropout without causal masking;
+    the backward then makes delta in the preprocess kernel (or the tl dQ prologue) and plans no
+    tl launch for a pass a Gluon kernel runs."""
+    planner, GluonConfig = kernels.planner, kernels.configs.GluonConfig
+    tl_launches = []
+    real_tl_launch = planner.tl_launch
+    monkeypatch.setattr(planner, "tl_launch", lambda kernel, *args: tl_launches.append(kernel)
+                        or real_tl_launch(kernel, *args))
+    tiles = {"fwd": (128, 128), "bwd_dq": (128, 64), "bwd_dkdv": (64, 128)}
+    for options in OPTIONS:
+        attention, layout, q, k, v, dout = _call(kernels, BF16, head_dim, 256, 256, **options)
+        window = "window_left" in options
+        tl_launches.clear()
+        forward = planner.plan_forward(attention, layout, True, q, k, v)
+        assert forward.gluon is gluon_fits["fwd"] and forward.tl is None
+        assert forward.gluon_config == GluonConfig(*tiles["fwd"], GLUON_STAGES["fwd", head_dim])
+        backward = planner.plan_backward(attention, layout, True, q, k, v, dout)
+        assert backward.dkdv.gluon is gluon_fits["bwd_dkdv"] and backward.dkdv.tl is None
+        stages = GLUON_WINDOW_STAGES[head_dim] if window else GLUON_STAGES["bwd_dkdv", head_dim]
+        assert backward.dkdv.gluon_config == GluonConfig(*tiles["bwd_dkdv"], stages)
+        if options.get("dropout_p") and not options.get("causal"):  # (the tl dQ is faster there)
+            assert backward.dq.implementation == "tl" and backward.delta_source == planner.DELTA_IN_DQ
+            assert tl_launches == ["bwd_dq"]
+        else:
+            assert backward.dq.gluon is gluon_fits["bwd_dq"] and backward.dq.tl is None
+            assert backward.dq.gluon_config == GluonConfig(*tiles["bwd_dq"], GLUON_STAGES["bwd_dq", head_dim])
+            assert backward.delta_source == planner.DELTA_PREPROCESS
+            assert tl_launches == []  # (no tl launch planned for passes the Gluon kernels run)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
+    attention, layout, q, k, v, dout = _call(kernels, BF16, head_dim, 256, 256)
+    assert planner.plan_forward(attention, layout, True, q, k, v).implementation == "tl"
+    backward = planner.plan_backward(attention, layout, True, q, k, v, dout)
+    assert (backward.dq.implementation, backward.dkdv.implementation) == ("tl", "tl")
+
+
+def test_planner_override_forces_each_choice(kernels, gluon_fits, monkeypatch):
+    """configs.set_override / planner.override: "tl" or a TileConfig keeps a pass on the tl kernel
+    where Gluon would run it; "gluon" or a GluonConfig runs Gluon wherever it fits (even with
+    FLASH_ATTENTION_GLUON=0, even for dQ with dropout) and raises where it does not; the override
+    ends with the block."""
+    planner, configs = kernels.planner, kernels.configs
+    attention, layout, q, k, v, dout = _call(kernels, BF16, 128, 256, 256)
+    tile = configs.TileConfig(16, 32, 4, 1)
+    with planner.override("fwd", implementation="tl"):
+        forward = planner.plan_forward(attention, layout, True, q, k, v)
+        assert forward.implementation == "tl" and forward.tl.config == configs._INTERPRETER["fwd"]
+    with planner.override("bwd_dq", tile):
+        backward = planner.plan_backward(attention, layout, True, q, k, v, dout)
+        assert backward.dq.tl.config == tile and not backward.dq.tl.specialized
+        assert backward.dkdv.implementation == "gluon" and backward.delta_source == planner.DELTA_IN_DQ
+        with planner.override("bwd_dq", implementation="gluon"):  # (nested: the outer one comes back)
+            assert planner.plan_backward(attention, layout, True, q, k, v, dout).dq.implementation == "gluon"
+        assert configs.OVERRIDES["bwd_dq"].config == tile
+    assert "bwd_dq" not in configs.OVERRIDES
+    assert planner.plan_forward(attention, layout, True, q, k, v).implementation == "gluon"
+
+    ring = configs.GluonConfig(128, 64, 2)
+    with planner.override("bwd_dq", ring):
+        monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
+        dropout = kernels.AttentionOptions(128 ** -0.5, False, dropout_p=0.1)
+        backward = planner.plan_backward(dropout, layout, True, q, k, v, dout)
+        assert backward.dq.gluon_config == ring and backward.dkdv.implementation == "tl"
+        assert backward.delta_source == planner.DELTA_PREPROCESS
+    with pytest.raises(ValueError, match="compiled in"):
+        configs.set_override("fwd", configs.GluonConfig(64, 64, 3))
+    with pytest.raises(ValueError, match="implementation"):
+        configs.set_override("fwd", tile, implementation="gluon")
+    with pytest.raises(ValueError, match="no pass"):
+        configs.set_override("bwd", tile)
+    with pytest.raises(ValueError, match="no Gluon kernel"):
+        configs.set_override("decode", implementation="gluon")
+
+    monkeypatch.setattr(kernels.hopper_route, "fits", lambda *args, **kwargs: False)
+    with planner.override("fwd", implementation="gluon"), pytest.raises(ValueError, match="cannot run this call"):
+        planner.plan_forward(attention, layout, True, q, k, v)
+    decode_tile = configs.TileConfig(32, 16, 4, 2)
+    assert configs.decode_config(4, 64, BF16, True) != decode_tile
+    with planner.override("decode", decode_tile):
+        assert configs.decode_config(4, 64, BF16, True) == decode_tile
+
+
+def test_planner_override_reaches_the_warp_specialised_loop(kernels, monkeypatch):
+    """A TileConfig with warp_specialized=True is the warp-specialised entry (where the call can
+    take that loop: FLASH_ATTENTION_WS=1 under the interpreter), and with False the plain one."""
+    monkeypatch.setenv("FLASH_ATTENTION_WS", "1")
+    planner, configs = kernels.planner, kernels.configs
+    attention, layout, q, k, v, dout = _call(kernels, BF16, 64, 64, 64)
+    tile = configs.TileConfig(32, 32, 4, 2)
+    with planner.override("fwd", tile, warp_specialized=True):
+        forward = planner.plan_forward(attention, layout, True, q, k, v).tl
+        assert forward.config == tile and forward.specialized and forward.tma
+    with planner.override("fwd", tile):
+        forward = planner.plan_forward(attention, layout, True, q, k, v).tl
+        assert forward.config == tile and not forward.specialized
+
+
+def test_planner_launchers_launch_what_it_plans(kernels, gluon_fits, monkeypatch):
+    """attention_forward / attention_backward launch the planned kernels with the planned configs:
+    Gluon stand-ins get their GluonConfig (the backward's delta then from the preprocess kernel),
+    and a tl override gives the tl kernel's result."""
+    launched = {}
+
+    def stand_in(kernel):
+        def launch(*args):
+            launched[kernel] = args[-1]
+        return launch
+
+    monkeypatch.setattr(kernels.hopper_route, "launcher", stand_in)
+    attention, layout, q, k, v, dout = _call(kernels, BF16, 64, 128, 128)
+    out, lse = kernels.attention_forward(q, k, v, attention)
+    assert launched.pop("fwd") == kernels.configs.GluonConfig(128, 128, 4)
+    with kernels.planner.override("fwd", implementation="tl"):
+        out, lse = kernels.attention_forward(q, k, v, attention)
+    assert not launched and torch.isfinite(out.float()).all()
+    with kernels.planner.override("fwd", kernels.configs.TileConfig(16, 16, 4, 1)):
+        again, _ = kernels.attention_forward(q, k, v, attention)
+    torch.testing.assert_close(again, out, atol=2e-2, rtol=0)  # (other tiles: another summation order)
+    kernels.attention_backward(dout, q, k, v, out, lse, attention)
+    assert launched == {"bwd_dq": kernels.configs.GluonConfig(128, 64, 6),
+                        "bwd_dkdv": kernels.configs.GluonConfig(64, 128, 4)}

@@ -1,0 +1,127 @@
+"""Which kernel runs each pass of an attention call, with which config: the one place that decides.
+
+A forward call is one pass (``fwd``); a backward call is three decisions: where delta comes from,
+which kernel computes dQ (``bwd_dq``) and which dK/dV (``bwd_dkdv``). Each pass runs either a tl
+kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hopper, a Gluon kernel
+(hopper_forward, hopper_dq, hopper_dkdv):
+
+* Gluon where ``hopper_route.chosen`` says so (sm_90, a checked Triton, a dense bf16/fp16 call in
+  full tiles at head dim 64 or 128, FLASH_ATTENTION_GLUON), with ``configs.gluon_config`` (the
+  kernel's fixed program tiles and its ring depth per head dim and mask).
+* tl otherwise, with ``launch.tl_launch`` (the config table's entry, warp-specialised or plain,
+  through tensor descriptors or not). A pass the Gluon kernel runs gets no tl launch.
+* delta (rowsum(dO * O) - dlse, which both backward kernels read): fp32 inputs make it in the tl
+  dQ kernel's first pass (``DELTA_FP32_PASS``, PyTorch's form from P and dP); a plain dense tl dQ
+  kernel makes it in its prologue and runs first (``DELTA_IN_DQ``), saving the preprocess launch
+  and its pass over O and dO; the warp-specialised, the varlen and the Gluon dQ kernels lose more
+  than that behind the extra prologue (docs/design.md#backward), so there the preprocess kernel
+  makes it (``DELTA_PREPROCESS``).
+
+One hook overrides these decisions: ``configs.set_override(pass, config, warp_specialized,
+implementation)`` forces, for every launch of a pass (fwd, bwd_dq, bwd_dkdv, decode), the tl or
+the Gluon kernel and its config (docs/design.md#config-rules); ``override`` below sets it for a
+``with`` block. The launchers (forward.attention_forward, backward.attention_backward) launch what
+``plan_forward`` / ``plan_backward`` return; the tuner (benchmarks/tune_configs.py) and the
+benchmarks choose kernels and configs through the hook.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from . import configs, hopper_route
+from .configs import GluonConfig
+from .launch import SequenceLayout, TlLaunch, kernel_variant, tl_launch
+from .options import FP32_EXACT, AttentionOptions
+
+# Where the backward's delta comes from (BackwardPlan.delta_source)
+DELTA_IN_DQ = "dq prologue"
+DELTA_PREPROCESS = "preprocess kernel"
+DELTA_FP32_PASS = "dq first pass"
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """The kernel of one pass: the tl kernel with ``tl`` (its TlLaunch), or, where ``gluon`` is
+    set (the Gluon kernel's launch function, hopper_route.launcher), the Gluon kernel with
+    ``gluon_config``."""
+
+    tl: Optional[TlLaunch] = None
+    gluon: Optional[Callable] = None
+    gluon_config: Optional[GluonConfig] = None
+
+    @property
+    def implementation(self) -> str:
+        """"gluon" or "tl"."""
+        return "gluon" if self.gluon is not None else "tl"
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The backward's decisions: ``delta_source`` (DELTA_IN_DQ, DELTA_PREPROCESS or
+    DELTA_FP32_PASS) and the dQ and dK/dV passes."""
+
+    delta_source: str
+    dq: PassPlan
+    dkdv: PassPlan
+
+
+def plan_forward(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q, k, v) -> PassPlan:
+    """The forward's kernel and config for this call."""
+    return _pass_plan("fwd", options, layout, interpreted, (q, k, v))
+
+
+def plan_backward(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q, k, v,
+                  dout) -> BackwardPlan:
+    """The backward's delta source and its dQ and dK/dV kernels and configs for this call."""
+    tensors = (q, k, v, dout)
+    dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
+    # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
+    dkdv = _pass_plan("bwd_dkdv", options, layout, interpreted, tensors)
+    if kernel_variant(options, q.dtype, interpreted) & FP32_EXACT:
+        delta_source = DELTA_FP32_PASS
+    elif dq.tl is not None and not dq.tl.specialized and not layout.is_varlen:
+        delta_source = DELTA_IN_DQ
+    else:
+        delta_source = DELTA_PREPROCESS
+    return BackwardPlan(delta_source, dq, dkdv)
+
+
+def _pass_plan(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool,
+               tensors) -> PassPlan:
+    """Pass ``kernel``'s plan: its Gluon kernel where the override forces it (a ValueError where
+    it cannot run the call) or, without one, where hopper_route chooses it and it builds; else
+    the tl kernel."""
+    forced = configs.overridden_implementation(kernel)
+    if forced == "gluon":
+        if not hopper_route.fits(kernel, options, layout, interpreted, tensors):
+            raise ValueError(f"flash_attention: the {kernel} override forces the Gluon kernel, which cannot run this "
+                             f"call (hopper_route.fits: sm_90, dense bf16/fp16, head dim 64/128, full tiles)")
+        gluon = hopper_route.launcher(kernel)
+        if gluon is None:
+            raise ValueError(f"flash_attention: the {kernel} override forces the Gluon kernel, which does not build "
+                             f"under this Triton")
+    elif forced is None and hopper_route.chosen(kernel, options, layout, interpreted, tensors):
+        gluon = hopper_route.launcher(kernel)
+    else:
+        gluon = None
+    q = tensors[0]
+    head_dim = q.shape[-1]
+    if gluon is not None:
+        return PassPlan(gluon=gluon, gluon_config=configs.gluon_config(kernel, head_dim, options.mask_kind))
+    return PassPlan(tl=tl_launch(kernel, head_dim, q.dtype, options, layout, interpreted, *tensors))
+
+
+@contextlib.contextmanager
+def override(kernel: str, config=None, warp_specialized: bool = False, implementation: Optional[str] = None):
+    """``configs.set_override(kernel, config, warp_specialized, implementation)`` for the ``with``
+    block, then the override that was there before (or none)."""
+    previous = configs.OVERRIDES.get(kernel)
+    configs.set_override(kernel, config, warp_specialized, implementation)
+    try:
+        yield
+    finally:
+        if previous is None:
+            configs.set_override(kernel, None)
+        else:
+            configs.set_override(kernel, previous.config, previous.warp_specialized, previous.implementation)
