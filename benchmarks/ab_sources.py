@@ -13,7 +13,8 @@ bench_variants.py counts them.
 A spec file lists rows, one per line: ``kind causal seqlen copies``, kind in plain, window
 ((4096, 0) causal, (4096, 4096) not), softcap (50), alibi, sinks, dropout (0.1); copies a
 comma-separated list of names (fa_<name> in the folder), each optionally with table overrides
-``name@kernel=BMxBNxWARPSxSTAGES[xtma]`` (configs.set_override). Each row is timed forward and
+``name@kernel=BMxBNxWARPSxSTAGES[xtma]`` (configs.set_override: that pass then runs its tl kernel
+with this config, also where the Gluon kernels would take it). Each row is timed forward and
 backward, then every option row is printed as a rate ratio to the plain row of the same copy.
 
 Usage: python benchmarks/ab_sources.py COPIES_DIR SPEC_FILE [fwd|bwd]  (one direction only)

@@ -1,7 +1,8 @@
 """Offline tuning of the launch-config table in flash_attention_kernel/configs.py.
 
-Run on the target GPU. It tunes the tl kernels, so the Gluon kernels are off (FLASH_ATTENTION_GLUON=0:
-on Hopper they would take the d64/d128 calls it times). For each kernel (fwd, bwd_dkdv, bwd_dq), head
+Run on the target GPU. It tunes the tl kernels, so every pass runs its tl kernel (configs.set_override
+with implementation "tl", the planner's hook: on Hopper the Gluon kernels would take the d64/d128
+calls it times). For each kernel (fwd, bwd_dkdv, bwd_dq), head
 dim and mask (causal or not) it times a short list of candidate configs, each with and without tensor descriptors (TMA),
 on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default, bf16; stored
 (batch, heads, seqlen, dim) as the benchmark passes them, or --layout bshd), checks that each
@@ -30,7 +31,6 @@ import argparse
 from dataclasses import astuple
 import json
 import multiprocessing
-import os
 import sys
 from pathlib import Path
 
@@ -38,15 +38,13 @@ import torch
 import triton
 import triton.testing
 
-# The table tunes the tl kernels: on Hopper the Gluon kernels would take the d64/d128 calls it
-# times (hopper_route), so they are off here, in this process and its compile workers
-os.environ["FLASH_ATTENTION_GLUON"] = "0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "torch-ext" / "flash_attention"))
 
 from flash_attention_kernel import AttentionOptions, attention_backward, attention_forward  # noqa: E402
 from flash_attention_kernel import configs  # noqa: E402
 from flash_attention_kernel import launch as launch_module  # noqa: E402
+from flash_attention_kernel import planner  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); each is tried with and without tensor descriptors (TMA)
@@ -97,9 +95,16 @@ def _inputs(head_dim, seqlen, layout, dtype=torch.bfloat16):
 def _with_config(kernel, config, specialized):
     """Make the launchers use ``config`` for ``kernel`` (configs.set_override), as its
     warp-specialised entry if ``specialized`` else as its plain one with warp specialisation off,
-    and the table for the other kernels."""
-    configs.OVERRIDES.clear()
+    and the table for the other kernels; every pass on its tl kernel (the table tunes those)."""
+    _tl_kernels_only()
     configs.set_override(kernel, config, specialized)
+
+
+def _tl_kernels_only():
+    """Every pass of the forward and backward on its tl kernel, with the table's configs."""
+    configs.OVERRIDES.clear()
+    for kernel in CANDIDATES:
+        configs.set_override(kernel, implementation="tl")
 
 
 def _options(head_dim, causal):
@@ -108,7 +113,7 @@ def _options(head_dim, causal):
 
 def _current(kernel, head_dim, causal, seqlen, specialized):
     """The table's entry for the tuned kernel, as a tuple (None where it has no such entry)."""
-    configs.OVERRIDES.clear()
+    _tl_kernels_only()
     mask = _options(head_dim, causal).mask_kind
     gpu = launch_module.device_gpu_class(torch.device("cuda", torch.cuda.current_device())).name
     if specialized:
@@ -119,12 +124,13 @@ def _current(kernel, head_dim, causal, seqlen, specialized):
 
 
 def _takes_warp_specialization(kernel, head_dim, causal, tensors):
-    """Whether the launch of ``kernel`` on ``tensors`` runs its warp-specialised loop."""
-    q, k = tensors[:2]
+    """Whether the launch of ``kernel`` on ``tensors`` runs its warp-specialised loop (as the planner plans it)."""
+    q, k, v, dout = tensors
     layout = launch_module.SequenceLayout.of(q, k)
-    read = tensors[:3] if kernel == "fwd" else tensors
-    return launch_module.tl_launch(kernel, head_dim, q.dtype, _options(head_dim, causal), layout, False,
-                                  *read).specialized
+    options = _options(head_dim, causal)
+    if kernel == "fwd":
+        return planner.plan_forward(options, layout, False, q, k, v).tl.specialized
+    return getattr(planner.plan_backward(options, layout, False, q, k, v, dout), kernel[4:]).tl.specialized
 
 
 def _run(kernel, head_dim, causal, tensors):
