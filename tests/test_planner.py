@@ -223,3 +223,55 @@ def test_planner_launchers_launch_what_it_plans(kernels, gluon_fits, monkeypatch
     kernels.attention_backward(dout, q, k, v, out, lse, attention)
     assert launched == {"bwd_dq": kernels.configs.GluonConfig(128, 64, 6),
                         "bwd_dkdv": kernels.configs.GluonConfig(64, 128, 4)}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [(-1, -1), (128, 0)])
+def test_gluon_launchers_take_their_config(kernels, head_dim, window):
+    """The Gluon launch functions build their grid, TMA blocks and ring depth from the planner's
+    GluonConfig exactly as they did from their own constants (compiled here, launched only on
+    Hopper, so the kernels are stand-ins that record their launch): programs of 128 query rows
+    (forward, dQ) or 128 keys (dK/dV), blocks of 64 rows per consumer warpgroup, the table's
+    stages (the window's deeper dK/dV ring)."""
+    import sys
+
+    names = {"fwd": "_forward_kernel", "bwd_dq": "_dq_kernel", "bwd_dkdv": "_dkdv_kernel"}
+    launch_functions = {kernel: kernels.hopper_route.launcher(kernel) for kernel in names}
+    if not all(launch_functions.values()):
+        pytest.skip("this Triton's Gluon cannot build the Hopper kernels (hopper_route warned)")
+    launches = {}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                launches[self.kernel] = (grid, [list(getattr(a, "block_shape", [])) for a in args[:4]],
+                                         constexprs.get("KEYS"), constexprs["STAGES"])
+            return launch
+
+    module_objects = {kernel: sys.modules[function.__module__] for kernel, function in launch_functions.items()}
+    saved = {kernel: getattr(module, names[kernel]) for kernel, module in module_objects.items()}
+    try:
+        for kernel, module in module_objects.items():
+            setattr(module, names[kernel], Recorder(kernel))
+        batch, seqlen, heads, heads_kv = 2, 512, 4, 2
+        q = torch.randn(batch, seqlen, heads, head_dim, dtype=BF16)
+        k, v = (torch.randn(batch, seqlen, heads_kv, head_dim, dtype=BF16) for _ in range(2))
+        options = kernels.AttentionOptions(head_dim ** -0.5, False, *window)
+        layout = kernels.launch.SequenceLayout.of(q, k)
+        lse, out = torch.empty(batch, heads, seqlen), torch.empty_like(q)
+        config = {kernel: kernels.configs.gluon_config(kernel, head_dim, options.mask_kind) for kernel in names}
+        module_objects["fwd"].attention_forward(q, k, v, out, lse, options, layout, config["fwd"])
+        module_objects["bwd_dq"].attention_dq(q, q, k, v, lse, lse, out, options, layout, config["bwd_dq"])
+        module_objects["bwd_dkdv"].attention_dkdv(q, q, k, v, lse, lse, k, v, options, layout, config["bwd_dkdv"])
+    finally:
+        for kernel, module in module_objects.items():
+            setattr(module, names[kernel], saved[kernel])
+    d, programs = head_dim, seqlen // 128
+    window_dkdv = 4 if window[0] >= 0 else GLUON_STAGES["bwd_dkdv", d]
+    assert launches["fwd"] == ((programs, heads, batch), [[64, d], [128, d], [128, d], []], 128,
+                               GLUON_STAGES["fwd", d])
+    assert launches["bwd_dq"] == ((programs, heads, batch), [[64, d]] * 4, 64, GLUON_STAGES["bwd_dq", d])
+    assert launches["bwd_dkdv"] == ((programs, heads_kv, batch), [[64, d]] * 4, None, window_dkdv)
