@@ -459,12 +459,12 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
 
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
+    plan = plan_backward(options, layout, interpreted, q, k, v, dout)
     # fp32: the dQ kernel makes delta itself (from P and dP, not O) and the row scale 1 / c of the
     # stored lse's rounding, and runs before the dK/dV kernel and the sinks' gradient, which take
     # both (_attn_bwd_dq_kernel)
-    exact = bool(matmul["VARIANT"] & FP32_EXACT.value)
+    exact = plan.delta_source == DELTA_FP32_PASS
     row_scale = layout.new_row_stats(q) if exact else delta  # (an unread stand-in otherwise)
-    plan = plan_backward(options, layout, interpreted, q, k, v, dout)
     if any(step.tl is not None and step.tl.tma for step in (plan.dq, plan.dkdv)) and not interpreted:
         ensure_scratch_allocator()
     # delta from the tl dQ kernel (its prologue, or the fp32 first pass), which then runs first
