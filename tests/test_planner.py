@@ -12,6 +12,7 @@ kernel runs. The override hook (configs.set_override, planner.override) must for
 import pytest
 import torch
 
+from conftest import DEVICE
 from sizes import BF16
 
 FP16, FP32 = torch.float16, torch.float32
@@ -34,14 +35,14 @@ def kernels(fa):
 def _call(kernels, dtype, head_dim, seqlen_q=32, seqlen_k=48, varlen=False, **options):
     """(options, layout, q, k, v, dout) of a small call."""
     if options.pop("sinks", False):
-        options["sinks"] = torch.zeros(2)
-    q = torch.randn(2, seqlen_q, 2, head_dim, dtype=dtype)
-    k, v = (torch.randn(2, seqlen_k, 1, head_dim, dtype=dtype) for _ in range(2))
+        options["sinks"] = torch.zeros(2, device=DEVICE)
+    q = torch.randn(2, seqlen_q, 2, head_dim, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(2, seqlen_k, 1, head_dim, dtype=dtype, device=DEVICE) for _ in range(2))
     dout = torch.randn_like(q)
     attention = kernels.AttentionOptions(head_dim ** -0.5, options.pop("causal", False), **options)
     if varlen:
-        cu_q = torch.tensor([0, seqlen_q, 2 * seqlen_q], dtype=torch.int32)
-        cu_k = torch.tensor([0, seqlen_k, 2 * seqlen_k], dtype=torch.int32)
+        cu_q = torch.tensor([0, seqlen_q, 2 * seqlen_q], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, seqlen_k, 2 * seqlen_k], dtype=torch.int32, device=DEVICE)
         q, dout, k, v = (x.flatten(0, 1) for x in (q, dout, k, v))
         layout = kernels.launch.SequenceLayout.of(q, k, cu_q, cu_k, seqlen_q, seqlen_k)
     else:

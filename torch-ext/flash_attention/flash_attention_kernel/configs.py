@@ -294,6 +294,8 @@ _SM86 = ConfigTable(
         **_SM90.fp32,
         ("bwd_dq", 128): TileConfig(32, 32, 8, 2),
         ("fwd", 256): TileConfig(32, 16, 8, 2),
+        # the 32-term head-dim parts (tiles.mma_over_head) stage 114688 B at 16 x 32: 16 x 16 takes 81920
+        ("bwd_dkdv", 256): TileConfig(16, 16, 8, 1),
     },
 )
 

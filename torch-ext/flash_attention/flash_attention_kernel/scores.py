@@ -28,7 +28,9 @@ Which options a kernel is compiled for is one constexpr bit set, VARIANT (host s
   backward reads the stored natural lse as it is, with no conversion to base 2. Also: the
   softcap's tanh without cancellation near 0 and its derivative from exp(-2|x|) instead of
   1 - tanh^2 (``_tanh_exact``), and IEEE divisions (div.rn) where the compiled default is
-  div.full.f32 (2 ulp). FIXED_PIVOT is off (its headroom is counted in base 2).
+  div.full.f32 (2 ulp). FIXED_PIVOT is off (its headroom is counted in base 2). The head-dim
+  products q . k and dO . v are summed in 32-term parts (tiles.mma_over_head, keyed on the
+  "ieee" PRECISION that only fp32 inputs take).
 * FIXED_PIVOT: a softcap bounds every logit to [-softcap, softcap], so the forward subtracts a
   constant (``row_start``) instead of the running row max: no max, no rescaling of the
   accumulator. The launcher sets it where the bound keeps every exp2 in fp32's and bf16's normal

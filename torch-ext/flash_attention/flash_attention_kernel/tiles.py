@@ -24,6 +24,9 @@ head dim like 80 or 192 costs 64 + 16 or 128 + 64 columns of work instead of 128
 import triton
 import triton.language as tl
 
+# fp32 products over the head dim: summed from parts this wide (tiles.mma_over_head)
+FP32_HEAD_PART = tl.constexpr(32)
+
 
 @triton.jit
 def sequence_span(batch, cu_seqlens, seqlen, total_rows, IS_VARLEN: tl.constexpr):
@@ -353,11 +356,39 @@ def round_to(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _head_parts_dot(x, y):
+    """x @ y^T in full fp32 (the "ieee" path of ``mma_over_head``), the head dim cut into
+    FP32_HEAD_PART-wide parts: one batched tl.dot makes each part's product, a chain of at most
+    FP32_HEAD_PART terms, and the parts' products are then added."""
+    WIDTH: tl.constexpr = x.shape[1]
+    PARTS: tl.constexpr = WIDTH // FP32_HEAD_PART
+    if PARTS <= 1:
+        return tl.dot(x, tl.trans(y), input_precision="ieee")
+    else:
+        x_parts = tl.permute(tl.reshape(x, [x.shape[0], PARTS, FP32_HEAD_PART]), (1, 0, 2))  # [part, row, head]
+        y_parts = tl.permute(tl.reshape(y, [y.shape[0], PARTS, FP32_HEAD_PART]), (1, 2, 0))  # [part, head, row]
+        return tl.sum(tl.dot(x_parts, y_parts, input_precision="ieee"), 0)
+
+
+@triton.jit
 def mma_over_head(x_a, x_b, y_a, y_b, DIM_B: tl.constexpr, PRECISION: tl.constexpr):
-    """x @ y^T, contracting the head dim held as chunks (x_a, x_b) and (y_a, y_b)."""
-    product = mma(x_a, tl.trans(y_a), None, PRECISION)
-    if DIM_B > 0:
-        product = mma(x_b, tl.trans(y_b), product, PRECISION)
+    """x @ y^T, contracting the head dim held as chunks (x_a, x_b) and (y_a, y_b).
+
+    fp32 ("ieee", fp32 inputs only): a compiled fp32 tl.dot is an FMA loop, one chain of
+    head-dim terms per output, whose rounding grows with the chain's length; ``_head_parts_dot``
+    cuts it into FP32_HEAD_PART-long chains. PyTorch's fp32 matmul of a small shape (a short
+    varlen sequence's q . k and dO . v) sums that accurately, and where the logits are large (q
+    scaled by the softcap) and a row has few keys, this error is what the softmax and its
+    gradients inherit (docs/design.md#fp32-exactness: varlen softcap d256 dQ at 11.8x PyTorch's
+    error, from a 1-query, 5-key sequence, with one 256-term chain)."""
+    if PRECISION == "ieee":
+        product = _head_parts_dot(x_a, y_a)
+        if DIM_B > 0:
+            product = product + _head_parts_dot(x_b, y_b)
+    else:
+        product = mma(x_a, tl.trans(y_a), None, PRECISION)
+        if DIM_B > 0:
+            product = mma(x_b, tl.trans(y_b), product, PRECISION)
     return product
 
 
