@@ -7,7 +7,9 @@ gl.program_id return a bare IR value there, once, in one worker). The caller's s
 ``package`` (the built package, imported under its own name ``name``: its Gluon modules load
 with ``importlib.import_module(name + ".flash_attention_kernel.hopper_...")``), ``gl`` and
 ``args`` (its arguments, as strings) and sets ``function``, ``signature`` and ``constants`` for
-``GluonASTSource``.
+``GluonASTSource``. With GLUON_PTX_DIR set, each compiled kernel's PTX (its code, without debug
+sections and line records) is also written there, named by the kernel and the arguments, so that
+two trees' Gluon kernels compare with ``diff -r``: identical files, identical kernels.
 """
 
 import importlib
@@ -31,11 +33,18 @@ sys.modules[name] = package
 spec.loader.exec_module(package)
 """
 
-_COMPILE = """
+_BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+_COMPILE = f"BENCHMARKS = {str(_BENCHMARKS)!r}" + """
 compiled = triton.compile(GluonASTSource(function, signature, constants),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 assert compiled.asm["cubin"]
 assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
+import os
+if os.environ.get("GLUON_PTX_DIR"):  # the code alone (resource_report's cut), to diff two trees' kernels
+    sys.path.insert(0, BENCHMARKS)
+    from resource_report import _code_only
+    ptx_name = "_".join([function.__name__, *args]).replace("/", "-") + ".ptx"
+    (pathlib.Path(os.environ["GLUON_PTX_DIR"]) / ptx_name).write_text(_code_only(compiled.asm["ptx"]))
 """
 
 

@@ -87,7 +87,7 @@ def _query_tiles(first_key, last_key, seqlen_q, band, VARIANT: gl.constexpr):
     j - diag - right .. j - diag + left."""
     diag, left, right = band
     return band_tiles(first_key, last_key, -diag - right, -diag + left, seqlen_q, ROWS, MASK_RIGHT_ & VARIANT,
-                      MASK_LEFT_ & VARIANT)
+                      MASK_LEFT_ & VARIANT, MASK_LEFT_ & VARIANT)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_rows, do_rows, k_row, v_row, stat_row,

@@ -4,14 +4,15 @@ forward (hopper_forward.py).
 
 Every kernel draws dropout's bits from Philox-4x32-7 (scores.dropout_keep): one call per 16
 (query, key) pairs, keyed by the seed at counter (key group, query group, stream, offset), and a
-pair is kept iff its 8-bit draw reaches round(p * 256). The tl kernels call tl.philox; Gluon has
-none, so ``_philox`` is written here from the same constants. A warpgroup of the dK/dV kernel
-holds a [64 keys, 64 queries] S^T tile in the wgmma accumulator layout, where a call's 16 pairs
-lie on 4 threads (the forward's tiles hold them on one), so the calls are arranged around that
-layout: each thread makes 4 calls per tile and takes 4 more from its neighbour lane
-(``dropout_words``). ``dropout_state`` holds a warpgroup's constants, ``drop_unkept`` zeroes P and
-dP where the draw stays under the threshold. tests/test_hopper_backward.py checks the result bit for
-bit against the mask the forward returns.
+pair is kept iff its 8-bit draw reaches round(p * 256). The tl kernels call tl.philox or, with
+WIDE_PRODUCTS, ``rules.philox_rounds``; Gluon has no philox, so its kernels call the latter (its
+Gluon instantiation, ``hopper_gluon.philox_rounds``). A warpgroup of the dK/dV kernel holds a
+[64 keys, 64 queries] S^T tile in the wgmma accumulator layout, where a call's 16 pairs lie on 4
+threads (the forward's tiles hold them on one), so the calls are arranged around that layout:
+each thread makes 4 calls per tile and takes 4 more from its neighbour lane (``dropout_words``).
+``dropout_state`` holds a warpgroup's constants, ``drop_unkept`` zeroes P and dP where the draw
+stays under the threshold. tests/test_hopper_backward.py checks the result bit for bit against
+the mask the forward returns.
 
 The [64 queries, KEYS] S tiles of the dQ kernel and the forward hold each call's 16 pairs on one
 thread: ``dropout_rows`` makes KEYS / 32 calls per thread and spreads their words over the pairs
@@ -23,7 +24,7 @@ fp16x2 compare.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .scores import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B, PHILOX_ROUNDS
+from .hopper_gluon import philox_rounds
 
 TILE = gl.constexpr(64)  # keys (rows) and queries (columns) of a consumer warpgroup's S^T tile
 
@@ -48,43 +49,6 @@ def row_calls(keys: int):
         reg_bases=[[0, 4 << bit] for bit in range((keys // 32).bit_length() - 1)],
         lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[8, 0], [16, 0]], block_bases=[],
         shape=[32, keys // 8])
-
-
-@gluon.jit
-def _wide_by_a(x):
-    """(high, low) words of x * PHILOX_ROUND_A by one mul.wide.u32 (mul.hi and mul.lo take two;
-    the constant is spelled out: the asm is a literal)."""
-    return gl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
-                                     "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _wide_by_b(x):
-    """(high, low) words of x * PHILOX_ROUND_B by one mul.wide.u32."""
-    return gl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
-                                     "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _philox(c0, c1, c2, c3, k0, k1, WIDE: gl.constexpr):
-    """Philox-4x32-7 of counters (c0, c1, c2, c3) and key (k0, k1): uint32 tensors or scalars that
-    broadcast (a counter constant along a dimension costs nothing there in the first rounds).
-    WIDE: the products after the first round (whose operands may be scalars, which the asm does
-    not take) by mul.wide.u32, as scores._philox's WIDE_PRODUCTS; the dK/dV kernel's draws keep
-    mul.hi and mul.lo, which hold fewer registers live where that kernel spills."""
-    c0, c1, c2, c3 = (gl.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
-                      gl.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
-    for _ in gl.static_range(PHILOX_ROUNDS - 1):
-        k0 = k0 + PHILOX_KEY_A
-        k1 = k1 + PHILOX_KEY_B
-        if WIDE:
-            high_b, low_b = _wide_by_b(c2)
-            high_a, low_a = _wide_by_a(c0)
-        else:
-            high_b, low_b = gl.umulhi(c2, PHILOX_ROUND_B), c2 * PHILOX_ROUND_B
-            high_a, low_a = gl.umulhi(c0, PHILOX_ROUND_A), c0 * PHILOX_ROUND_A
-        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
-    return c0, c1, c2, c3
 
 
 @gluon.jit
@@ -157,7 +121,8 @@ def dropout_words(state, m, stream, LAYOUT: gl.constexpr):
     is the same for both its keys). The calls, then in CALLS, and their h and j % 2 are joined back
     in as S^T's register bits, so the final conversion only renames registers."""
     seed_lo, seed_hi, offset, key_groups, upper_keys, odd_keys, call_queries, _, _ = state
-    r0, r1, r2, r3 = _philox(key_groups, (m + call_queries).to(gl.uint32), stream, offset, seed_lo, seed_hi, False)
+    r0, r1, r2, r3 = philox_rounds(key_groups, (m + call_queries).to(gl.uint32), stream, offset, seed_lo, seed_hi,
+                                   False)
     words = gl.join(_with_neighbours_calls(gl.where(upper_keys, r1, r0), odd_keys),  # [kc, qc, h]
                     _with_neighbours_calls(gl.where(upper_keys, r3, r2), odd_keys))
     # [key // 16, key % 8, query // 16, query % 8, h, key // 8 % 2] -> S^T's [key, query]
@@ -210,7 +175,7 @@ def dropout_rows(dropout, first_row, n, LAYOUT: gl.constexpr, CALLS: gl.constexp
     groups = gl.arange(0, 32, gl.SliceLayout(1, CALLS))  # (query // 16) * 8 + query % 8
     key_groups = gl.expand_dims((n // 8 + calls).to(gl.uint32), 0)
     query_groups = gl.expand_dims((first_row + groups // 8 * 16 + groups % 8).to(gl.uint32), 1)
-    r0, r1, r2, r3 = _philox(key_groups, query_groups, stream, offset, (seed & 0xFFFFFFFF).to(gl.uint32),
+    r0, r1, r2, r3 = philox_rounds(key_groups, query_groups, stream, offset, (seed & 0xFFFFFFFF).to(gl.uint32),
                              (seed >> 32).to(gl.uint32), True)
     words = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [.., .., j // 2, h]
     words = gl.join(gl.join(words, words), gl.join(words, words))  # [.., .., j // 2, h, e, j % 2]

@@ -12,13 +12,17 @@ slice's rows), with head dim 64 or 128; every option (causal, window, softcap, A
 dropout) runs in them. Everything else (varlen, paged caches, ragged tiles, other head dims,
 fp32, calls traced by torch.compile) takes the tl kernels.
 
-Scores: the Gluon kernels cannot call ``scores.py``'s tl functions, so this module holds their
-Gluon form, the same math: ``band_tiles`` (which tiles a warpgroup visits: masked ones crossing a
-window edge, full ones, and the ones it releases unread because only the other warpgroup sees
-them), ``band_mask``, ``tile_logits`` (softcap, ALiBi, the band mask, minus the row's lse),
+Scores: the Gluon kernels cannot call ``scores.py``'s tl functions. The rules both need in the
+same form are written once in ``rules.py`` and compiled here for Gluon: ``band_tiles`` (which
+tiles a warpgroup visits: masked ones crossing a window edge, full ones, and the ones it releases
+unread because only the other warpgroup sees them), ``tanh_approx`` and ``philox_rounds``
+(dropout's draws, ``hopper_dropout``). The score math, which takes other forms here (the
+warpgroups' layouts, the forward's pivot folded into one multiply-add), is this module's:
+``band_mask``, ``tile_logits`` (softcap, ALiBi, the band mask, minus the row's lse),
 ``tile_logits_grad`` (the softcap's tanh', and dS = 0 outside the band) and, for the forward,
-which has no lse yet, ``forward_logits``. The backward kernels hold their tiles in opposite orientations (dK/dV: S^T,
-keys by queries; dQ: S), so ``tile_logits`` takes index vectors already shaped to broadcast.
+which has no lse yet, ``forward_logits``. The backward kernels hold their tiles in opposite
+orientations (dK/dV: S^T, keys by queries; dQ: S), so ``tile_logits`` takes index vectors
+already shaped to broadcast.
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
 ``async_load`` from 3.9), so the module binds the name it finds; ``hopper_route.CHECKED_VERSIONS``
@@ -33,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_route import KERNEL_BITS
 from .launch import RowGeometry, SequenceLayout
+from . import rules
 from .options import ALIBI, DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, SOFTCAP, AttentionOptions
 
 CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); the producer warp gets 24
@@ -72,6 +77,10 @@ def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple
 # TMA's global-to-shared copy under its name in this release
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
+# the rules the tl kernels share (rules.py: the band's tile ranges, tanh.approx, Philox's rounds), compiled for Gluon
+_SHARED = rules.instantiate(gl, gluon.jit)
+band_tiles, tanh_approx, philox_rounds = _SHARED.band_tiles, _SHARED.tanh_approx, _SHARED.philox_rounds
+
 @gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
     """(ready, empty) mbarriers of a ring of STAGES buffers: the producer's TMA completes
@@ -82,12 +91,6 @@ def ring_barriers(STAGES: gl.constexpr):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
     return ready, empty
-
-@gluon.jit
-def tanh_approx(x):
-    """tanh by the GPU's tanh.approx.f32 (one special-function op), as the tl kernels' TANH_APPROX."""
-    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
 
 @gluon.jit
 def round_pairs(x, dtype: gl.constexpr):
@@ -110,41 +113,12 @@ DROPOUT_ = gl.constexpr(DROPOUT)
 LOG2E_ = gl.constexpr(LOG2E)
 
 @gluon.jit
-def band_tiles(first, last, below, above, length, BLOCK: gl.constexpr, HAS_BELOW: gl.constexpr,
-               HAS_ABOVE: gl.constexpr):
-    """``scores._band_tiles`` in Gluon: for indices first..last, index x seeing the band
-    [x + below, x + above] of [0, length) (each edge only where it exists), the tile ranges
-    (lo, full_lo, full_hi, hi): [lo, full_lo) crosses the lower edge, [full_lo, full_hi) is seen
-    in full, [full_hi, hi) crosses the upper edge; lo, full_lo, full_hi are multiples of BLOCK
-    and lo <= full_lo <= full_hi. Where no tile is full, every visible one is in [full_hi, hi),
-    or, with no upper edge (whose masked loop a kernel then leaves out), in [lo, full_lo).
-    ``length`` is a multiple of BLOCK where there is no upper edge (the kernels' full tiles)."""
-    lo = 0
-    full_lo = 0
-    hi = length
-    full_hi = length
-    if HAS_ABOVE:
-        hi = gl.minimum(gl.maximum(last + above + 1, 0), length)
-        full_hi = gl.minimum(gl.maximum(first + above + 1, 0), length)
-    full_hi = full_hi // BLOCK * BLOCK
-    if HAS_BELOW:
-        lo = gl.minimum(gl.maximum(first + below, 0), length) // BLOCK * BLOCK
-        full_lo = gl.cdiv(gl.minimum(gl.maximum(last + below, 0), length), BLOCK) * BLOCK
-        no_full_tile = full_lo >= full_hi
-        empty_at = lo  # (the start of the range that then holds every visible tile)
-        if not HAS_ABOVE:
-            empty_at = hi
-        full_lo = gl.where(no_full_tile, empty_at, full_lo)
-        full_hi = gl.where(no_full_tile, empty_at, full_hi)
-    return lo, full_lo, full_hi, hi
-
-@gluon.jit
 def key_tiles(first_row, last_row, seqlen_k, band, KEYS: gl.constexpr, VARIANT: gl.constexpr):
     """``band_tiles`` over the keys for query rows first_row..last_row (the forward and dQ
     kernels): row i sees keys i + diag - left .. i + diag + right, band = (diag, left, right)."""
     diag, left, right = band
     return band_tiles(first_row, last_row, diag - left, diag + right, seqlen_k, KEYS, MASK_LEFT_ & VARIANT,
-                      MASK_RIGHT_ & VARIANT)
+                      MASK_RIGHT_ & VARIANT, MASK_RIGHT_ & VARIANT)
 
 @gluon.jit
 def query_program(seqlen_k, band, AlibiSlopes, stride_alibi_b, ROWS: gl.constexpr, KEYS: gl.constexpr,

@@ -51,6 +51,8 @@ import triton
 import triton.language as tl
 
 from . import options as host  # (the values' one home)
+from . import rules
+from .rules import PHILOX_ROUNDS
 
 MASK_LEFT = tl.constexpr(host.MASK_LEFT)
 MASK_RIGHT = tl.constexpr(host.MASK_RIGHT)
@@ -72,36 +74,9 @@ TANH_SERIES_BOUND = tl.constexpr(0.25)
 TANH_C1, TANH_C2, TANH_C3 = tl.constexpr(-1.0 / 3.0), tl.constexpr(2.0 / 15.0), tl.constexpr(-17.0 / 315.0)
 TANH_C4, TANH_C5 = tl.constexpr(62.0 / 2835.0), tl.constexpr(-1382.0 / 155925.0)
 
-# Philox-4x32 as tl.philox runs it: its round multipliers and key increments, 7 rounds
-# (dropout_keep; hopper_dropout's Gluon copy of the rounds takes the same names)
-PHILOX_ROUNDS = tl.constexpr(7)
-PHILOX_ROUND_A, PHILOX_ROUND_B = tl.constexpr(0xD2511F53), tl.constexpr(0xCD9E8D57)
-PHILOX_KEY_A, PHILOX_KEY_B = tl.constexpr(0x9E3779B9), tl.constexpr(0xBB67AE85)
-
-
-@triton.jit
-def _band_tiles(first, last, below, above, length, BLOCK: tl.constexpr, HAS_BELOW: tl.constexpr,
-                HAS_ABOVE: tl.constexpr):
-    """Tile ranges over [0, length) for a block of indices [first, last] whose index x sees the
-    band [x + below, x + above] (each edge only where it exists): (lo, full_lo, full_hi, hi) with
-    lo, full_lo, full_hi multiples of BLOCK, lo <= full_lo <= full_hi <= hi rounded up to a tile,
-    and no full tile past ``length``. Without a lower edge lo = full_lo = 0 (constants), so no
-    lower masked range exists; where no tile is full, every visible tile sits in [full_hi, hi)."""
-    lo = 0
-    full_lo = 0
-    hi = length
-    full_hi = length
-    if HAS_ABOVE:
-        hi = tl.minimum(tl.maximum(last + above + 1, 0), length)
-        full_hi = tl.minimum(tl.maximum(first + above + 1, 0), length)
-    full_hi = (full_hi // BLOCK) * BLOCK
-    if HAS_BELOW:
-        lo = (tl.minimum(tl.maximum(first + below, 0), length) // BLOCK) * BLOCK
-        full_lo = tl.cdiv(tl.minimum(tl.maximum(last + below, 0), length), BLOCK) * BLOCK
-        no_full_tile = full_lo >= full_hi
-        full_lo = tl.where(no_full_tile, lo, full_lo)
-        full_hi = tl.where(no_full_tile, lo, full_hi)
-    return lo, full_lo, full_hi, hi
+# the rules the Gluon kernels share (rules.py), compiled for tl
+_SHARED = rules.instantiate(tl, triton.jit)
+band_tiles, tanh_approx, philox_rounds = _SHARED.band_tiles, _SHARED.tanh_approx, _SHARED.philox_rounds
 
 
 @triton.jit
@@ -119,8 +94,8 @@ def rows_key_tile_ranges(first_m, last_m, seqlen_q, seqlen_k, window, BLOCK_N: t
     several heads of each row)."""
     left, right = window
     diag = seqlen_k - seqlen_q
-    return _band_tiles(first_m, last_m, diag - left, diag + right, seqlen_k, BLOCK_N,
-                       MASK_LEFT & VARIANT, MASK_RIGHT & VARIANT)
+    return band_tiles(first_m, last_m, diag - left, diag + right, seqlen_k, BLOCK_N,
+                      MASK_LEFT & VARIANT, MASK_RIGHT & VARIANT, True)
 
 
 @triton.jit
@@ -132,8 +107,8 @@ def query_tile_ranges(start_n, seqlen_q, seqlen_k, window, BLOCK_M: tl.constexpr
     left, right = window
     diag = seqlen_k - seqlen_q
     last_n = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
-    return _band_tiles(start_n, last_n, -diag - right, -diag + left, seqlen_q, BLOCK_M,
-                       MASK_RIGHT & VARIANT, MASK_LEFT & VARIANT)
+    return band_tiles(start_n, last_n, -diag - right, -diag + left, seqlen_q, BLOCK_M,
+                      MASK_RIGHT & VARIANT, MASK_LEFT & VARIANT, True)
 
 
 @triton.jit
@@ -166,8 +141,7 @@ def _tanh(x, VARIANT: tl.constexpr):
     (1 - e) / (1 + e) with e = exp(-2|x|), which neither overflows nor loses the sign, accurate to
     a few fp32 ulps."""
     if TANH_APPROX & VARIANT:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+        return tanh_approx(x)
     else:
         e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
         t = tl.fdiv(1.0 - e, 1.0 + e)
@@ -358,26 +332,10 @@ def _keep_by_columns(r0, r1, r2, r3, start_n, limit, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
-def _wide_by_a(x):
-    """(high, low) words of x * PHILOX_ROUND_A (spelled out: the asm is a literal) by one
-    mul.wide.u32."""
-    return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
-                                     "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _wide_by_b(x):
-    """(high, low) words of x * PHILOX_ROUND_B (spelled out: the asm is a literal) by one
-    mul.wide.u32."""
-    return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
-                                     "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
-
-
-@triton.jit
 def _philox(seed, c0, c1, c2, c3, VARIANT: tl.constexpr):
-    """tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS) (32-bit counters): with WIDE_PRODUCTS the same rounds,
-    each product's two halves from one mul.wide.u32 (the first round's operands may be scalars,
-    which the asm does not take; their products are loop-invariant anyway)."""
+    """tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS) (32-bit counters): with WIDE_PRODUCTS the same rounds
+    (rules.philox_rounds, which the Gluon kernels share), each product's two halves from one
+    mul.wide.u32."""
     if WIDE_PRODUCTS & VARIANT:
         seed = seed.to(tl.uint64)
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
@@ -386,15 +344,7 @@ def _philox(seed, c0, c1, c2, c3, VARIANT: tl.constexpr):
         c1 = c1.to(tl.uint32, bitcast=True)
         c2 = c2.to(tl.uint32, bitcast=True)
         c3 = c3.to(tl.uint32, bitcast=True)
-        c0, c1, c2, c3 = (tl.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
-                          tl.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
-        for _ in tl.static_range(PHILOX_ROUNDS - 1):
-            k0 = k0 + PHILOX_KEY_A
-            k1 = k1 + PHILOX_KEY_B
-            high_b, low_b = _wide_by_b(c2)
-            high_a, low_a = _wide_by_a(c0)
-            c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
-        return c0, c1, c2, c3
+        return philox_rounds(c0, c1, c2, c3, k0, k1, True)
     else:
         return tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS)
 
