@@ -112,3 +112,49 @@ def test_bitwise_repeatable(fa, dtype):
     for run in runs[1:]:
         for got, first in zip(run, runs[0]):
             assert torch.equal(got, first)
+
+
+_INDUCTOR_COPIES = """
+import builtins, dis, importlib, importlib.util, pathlib, sys, tempfile
+import triton
+from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as closure
+sys.path.insert(0, sys.argv[1])
+folder, unresolved = pathlib.Path(tempfile.mkdtemp()), []
+for module_name in ("forward", "backward", "decode", "rotary", "probabilities"):
+    module = importlib.import_module("flash_attention_kernel." + module_name)
+    for name, kernel in vars(module).items():
+        if not (isinstance(kernel, triton.JITFunction) and name.endswith("kernel")):
+            continue
+        path = folder / f"{module_name}{name}.py"  # (as inductor writes it: its own imports, then the closure)
+        path.write_text("import triton\\nimport triton.language as tl\\nfrom triton.language.extra import libdevice\\n"
+                        + closure(kernel))
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)
+        names = {instruction.argval for function in vars(copy).values() if isinstance(function, triton.JITFunction)
+                 for instruction in dis.Bytecode(function.fn) if instruction.opname == "LOAD_GLOBAL"}
+        unresolved += [f"{module_name}.{name}: {n}" for n in sorted(names) if n not in vars(copy)
+                       and not hasattr(builtins, n)]
+        assert name in vars(copy)
+print("\\n".join(unresolved))
+sys.exit(1 if unresolved else 0)
+"""
+
+
+def test_inductor_copies_of_the_kernels_resolve_every_name():
+    """torch.compile's inductor launches a user-defined Triton kernel from a module of its own: the
+    kernel's source and its callees' (found through the kernel's globals), the constants they read,
+    and `import triton.language as tl`. Every global a copied function names must exist there (a
+    kernel calling a function whose source names a module other than tl, or a global that is not a
+    constant, compiles in eager mode and fails under torch.compile). Checked without a GPU: each
+    kernel's copy is written as inductor writes it and imported, in a process without the
+    interpreter (whose kernels are not JITFunctions)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import PACKAGE_SOURCE
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _INDUCTOR_COPIES, str(PACKAGE_SOURCE)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, "names the copies cannot resolve:\n" + result.stdout + result.stderr[-3000:]

@@ -1,13 +1,15 @@
 """The rules the tl kernels and the Hopper Gluon kernels share, each written once.
 
 A Gluon kernel cannot call a ``@triton.jit`` function, nor a tl kernel a ``@gluon.jit`` one, but
-both front ends compile the same Python: a rule here is a plain function written against
-``lang``, using only names that triton.language and Gluon's language both define (minimum,
-maximum, where, cdiv, umulhi, inline_asm_elementwise, static_range, the dtypes), and
-``instantiate(lang, jit)`` compiles every rule for one language: scores.py takes
-``instantiate(tl, triton.jit)``, hopper_gluon.py ``instantiate(gl, gluon.jit)``, when the Gluon
-kernels are first needed (this module imports no Gluon). The rules of one instantiation call each
-other in their own language.
+both front ends compile the same Python. A rule here is a plain function written in tl, using
+only names that Gluon's language also defines (minimum, maximum, where, cdiv, umulhi,
+inline_asm_elementwise, static_range, the dtypes), and ``instantiate(language, jit)`` compiles
+every rule with the name ``tl`` bound to ``language``: scores.py takes
+``instantiate(triton.language, triton.jit)``, hopper_gluon.py ``instantiate(gl, gluon.jit)``, when
+the Gluon kernels are first needed (this module imports no Gluon). The rules of one instantiation
+call each other in their own language. (The name stays ``tl`` so that the tl instantiation's
+source is plain tl wherever it is read again: torch.compile's inductor copies each kernel's
+source and its callees' into a module of its own that imports triton.language as tl.)
 
 The rules:
 
@@ -36,25 +38,22 @@ PHILOX_ROUNDS = tl.constexpr(7)
 PHILOX_ROUND_A, PHILOX_ROUND_B = tl.constexpr(0xD2511F53), tl.constexpr(0xCD9E8D57)
 PHILOX_KEY_A, PHILOX_KEY_B = tl.constexpr(0x9E3779B9), tl.constexpr(0xBB67AE85)
 
-# The language a rule's body names: each instantiation binds its own; tl here only so that the
-# plain functions name a module
-lang = tl
-
 _RULES = []
 
 
 def _rule(function):
-    """Register ``function`` (written against ``lang``) for ``instantiate``."""
+    """Register ``function`` (written in tl, whose name ``instantiate`` binds) for ``instantiate``."""
     _RULES.append(function)
     return function
 
 
-def instantiate(lang, jit=None) -> types.SimpleNamespace:
-    """Every rule compiled by ``jit`` (triton.jit or gluon.jit) with ``lang`` (triton.language or
-    Gluon's language) as its language, in one namespace, so that rules calling rules stay in it.
-    Without ``jit`` the rules stay plain Python over ``lang``'s functions and the constants'
-    values: the tests' host reference (tests/test_shared_rules.py), the same source on integers."""
-    namespace = dict(globals(), lang=lang)
+def instantiate(language, jit=None) -> types.SimpleNamespace:
+    """Every rule compiled by ``jit`` (triton.jit or gluon.jit) with ``tl`` bound to ``language``
+    (triton.language or Gluon's language), in one namespace, so that rules calling rules stay in
+    it. Without ``jit`` the rules stay plain Python over ``language``'s functions and the
+    constants' values: the tests' host reference (tests/test_shared_rules.py), the same source
+    on integers."""
+    namespace = dict(globals(), tl=language)
     if jit is None:
         namespace.update({name: value.value for name, value in globals().items() if isinstance(value, tl.constexpr)})
     for function in _RULES:
@@ -82,19 +81,19 @@ def band_tiles(first, last, below, above, length, BLOCK: tl.constexpr, HAS_BELOW
     hi = length
     full_hi = length
     if HAS_ABOVE:
-        hi = lang.minimum(lang.maximum(last + above + 1, 0), length)
-        full_hi = lang.minimum(lang.maximum(first + above + 1, 0), length)
+        hi = tl.minimum(tl.maximum(last + above + 1, 0), length)
+        full_hi = tl.minimum(tl.maximum(first + above + 1, 0), length)
     full_hi = (full_hi // BLOCK) * BLOCK
     if HAS_BELOW:
-        lo = (lang.minimum(lang.maximum(first + below, 0), length) // BLOCK) * BLOCK
-        full_lo = lang.cdiv(lang.minimum(lang.maximum(last + below, 0), length), BLOCK) * BLOCK
+        lo = (tl.minimum(tl.maximum(first + below, 0), length) // BLOCK) * BLOCK
+        full_lo = tl.cdiv(tl.minimum(tl.maximum(last + below, 0), length), BLOCK) * BLOCK
         no_full_tile = full_lo >= full_hi
         if UPPER_LOOP:
-            full_lo = lang.where(no_full_tile, lo, full_lo)
-            full_hi = lang.where(no_full_tile, lo, full_hi)
+            full_lo = tl.where(no_full_tile, lo, full_lo)
+            full_hi = tl.where(no_full_tile, lo, full_hi)
         else:
-            full_lo = lang.where(no_full_tile, hi, full_lo)
-            full_hi = lang.where(no_full_tile, hi, full_hi)
+            full_lo = tl.where(no_full_tile, hi, full_lo)
+            full_hi = tl.where(no_full_tile, hi, full_hi)
     return lo, full_lo, full_hi, hi
 
 
@@ -102,7 +101,7 @@ def band_tiles(first, last, below, above, length, BLOCK: tl.constexpr, HAS_BELOW
 def tanh_approx(x):
     """tanh of fp32 ``x`` by the GPU's tanh.approx.f32: one special-function op, relative error
     2^-11 (flash-attn's choice for 2-byte inputs)."""
-    return lang.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=lang.float32, is_pure=True,
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                        pack=1)
 
 
@@ -110,15 +109,15 @@ def tanh_approx(x):
 def wide_by_round_a(x):
     """(high, low) words of x * PHILOX_ROUND_A by one mul.wide.u32 (mul.hi and mul.lo take two;
     the constant is spelled out: the asm is a literal)."""
-    return lang.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
-                                       "=r,=r,r", [x], dtype=(lang.uint32, lang.uint32), is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+                                       "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 
 @_rule
 def wide_by_round_b(x):
     """(high, low) words of x * PHILOX_ROUND_B by one mul.wide.u32."""
-    return lang.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
-                                       "=r,=r,r", [x], dtype=(lang.uint32, lang.uint32), is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+                                       "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 
 @_rule
@@ -128,16 +127,16 @@ def philox_rounds(c0, c1, c2, c3, k0, k1, WIDE: tl.constexpr):
     as tl.philox computes it. WIDE: each product after the first round (whose operands may be
     scalars, which the asm does not take; their products are loop-invariant anyway) from one
     mul.wide.u32 instead of mul.hi and mul.lo."""
-    c0, c1, c2, c3 = (lang.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
-                      lang.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
-    for _ in lang.static_range(PHILOX_ROUNDS - 1):
+    c0, c1, c2, c3 = (tl.umulhi(c2, PHILOX_ROUND_B) ^ c1 ^ k0, c2 * PHILOX_ROUND_B,
+                      tl.umulhi(c0, PHILOX_ROUND_A) ^ c3 ^ k1, c0 * PHILOX_ROUND_A)
+    for _ in tl.static_range(PHILOX_ROUNDS - 1):
         k0 = k0 + PHILOX_KEY_A
         k1 = k1 + PHILOX_KEY_B
         if WIDE:
             high_b, low_b = wide_by_round_b(c2)
             high_a, low_a = wide_by_round_a(c0)
         else:
-            high_b, low_b = lang.umulhi(c2, PHILOX_ROUND_B), c2 * PHILOX_ROUND_B
-            high_a, low_a = lang.umulhi(c0, PHILOX_ROUND_A), c0 * PHILOX_ROUND_A
+            high_b, low_b = tl.umulhi(c2, PHILOX_ROUND_B), c2 * PHILOX_ROUND_B
+            high_a, low_a = tl.umulhi(c0, PHILOX_ROUND_A), c0 * PHILOX_ROUND_A
         c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
     return c0, c1, c2, c3
