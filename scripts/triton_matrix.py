@@ -31,8 +31,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".tritons"
-# the interpreter runs these kernels from Triton 3.6 on (earlier releases lack ops it needs)
+# the interpreter runs these kernels from Triton 3.6 on (earlier releases lack ops it needs), and
+# under NumPy 2.4 from 3.7 on (3.6 takes int() of one-element arrays, which NumPy 2.4 refuses)
 INTERPRETER_FROM = (3, 6)
+INTERPRETER_UNDER_NUMPY_2_4_FROM = (3, 7)
 # the correctness run: dense forward + backward (fp16, bf16, fp32, causal or not, GQA, awkward
 # head dims and lengths), varlen, the KV cache's append + rotary + split decode
 SMOKE_TESTS = ["tests/test_correctness.py", "tests/test_varlen.py", "tests/test_kvcache.py", "-k",
@@ -65,7 +67,10 @@ def install(version: str) -> Path:
 
 def checks_for(version: str, asked: list) -> list:
     """The checks asked for that this version supports (the interpreter needs INTERPRETER_FROM)."""
-    interpreter = tuple(int(part) for part in version.split(".")[:2]) >= INTERPRETER_FROM
+    import numpy
+    release = tuple(int(part) for part in version.split(".")[:2])
+    numpy_2_4 = tuple(int(part) for part in numpy.__version__.split(".")[:2]) >= (2, 4)
+    interpreter = release >= (INTERPRETER_UNDER_NUMPY_2_4_FROM if numpy_2_4 else INTERPRETER_FROM)
     return [check for check in asked if check != "run" or interpreter]
 
 
