@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, option_arguments,
-    release_unread, ring_barriers, tile_arguments, tile_logits, tile_logits_grad, tma_load,
+    release_unread, make_ring, tile_arguments, tile_logits, tile_logits_grad, tma_load,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .launch import SequenceLayout
@@ -92,8 +92,7 @@ def _query_tiles(first_key, last_key, seqlen_q, band, VARIANT: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_rows, do_rows, k_row, v_row, stat_row,
               q_col, do_col, k_col, v_col, q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem,
-              q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, m_hi, seqlen_q,
-              GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr):
+              q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring, m_lo, m_hi, seqlen_q, GROUP_SIZE: gl.constexpr):
     """One warp: K and V once, then the (Q, dO) tiles [m_lo, m_hi) of each query head, with
     their rows' lse and delta, through the ring."""
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
@@ -103,28 +102,25 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_rows, do_
     i = 0
     for g in range(GROUP_SIZE):
         for m in range(m_lo, m_hi, ROWS):
-            idx = i % STAGES
-            mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
-            mbarrier.expect(ready.index(idx), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), lse_bufs.index(idx))
-            tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], ready.index(idx), delta_bufs.index(idx))
-            tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], ready.index(idx),
-                      q_bufs.index(idx))
-            tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], ready.index(idx),
-                      do_bufs.index(idx))
+            idx = ring.index(i)
+            arrived = ring.claim(i, q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], arrived, lse_bufs.index(idx))
+            tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], arrived, delta_bufs.index(idx))
+            tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], arrived, q_bufs.index(idx))
+            tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], arrived,
+                     do_bufs.index(idx))
             i += 1
 
 @gluon.jit
-def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m, keys, first_key, band,
+def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m, keys, first_key, band,
                 score, slope_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
-                OPERAND_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
-                ALIBI_ABS: gl.constexpr):
+                OPERAND_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i``. MASKED:
     the tile crosses a band edge."""
     dtype: gl.constexpr = q_bufs.dtype
-    idx = i % STAGES
-    mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+    idx = ring.index(i)
+    ring.wait_ready(i)
     q = q_bufs.index(idx)
     do = do_bufs.index(idx)
     zero_s = gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT)
@@ -152,15 +148,14 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empt
     dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk, is_async=True)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-    mbarrier.arrive(empty.index(idx), count=1)
+    ring.release(i)
     return dk, dv
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
               DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band, score,
               softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, WG: gl.constexpr,
-              HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, VARIANT: gl.constexpr,
-              ALIBI_ABS: gl.constexpr):
+              HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over the query tiles [m_lo,
     m_hi) the producer streams, of every query head of the group."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -190,24 +185,24 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rea
         if ALIBI_ & VARIANT:
             slope_log2 = gl.load(slopes + g) * LOG2E_
         if MASK_RIGHT_ & VARIANT:
-            i = release_unread(ready, empty, i, m_lo, lo, ROWS, STAGES)
+            i = release_unread(ring, i, m_lo, lo, ROWS)
             for m in range(lo, full_lo, ROWS):
-                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, operand_layout, STAGES, True, VARIANT, ALIBI_ABS)
+                                     s_layout, operand_layout, True, VARIANT, ALIBI_ABS)
                 i += 1
         for m in range(full_lo, full_hi, ROWS):
-            dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+            dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                  keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                 s_layout, operand_layout, STAGES, False, VARIANT, ALIBI_ABS)
+                                 s_layout, operand_layout, False, VARIANT, ALIBI_ABS)
             i += 1
         if MASK_LEFT_ & VARIANT:
             for m in range(full_hi, hi, ROWS):
-                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, i, m,
+                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, operand_layout, STAGES, True, VARIANT, ALIBI_ABS)
+                                     s_layout, operand_layout, True, VARIANT, ALIBI_ABS)
                 i += 1
-            i = release_unread(ready, empty, i, hi_end, m_hi, ROWS, STAGES)
+            i = release_unread(ring, i, hi_end, m_hi, ROWS)
     rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
     dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
     dk = dk * softmax_scale
@@ -245,7 +240,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
     delta_bufs = gl.allocate_shared_memory(delta_desc.dtype, [STAGES, ROWS], delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    ready, empty = ring_barriers(STAGES)
+    ring = make_ring(STAGES)
 
     dk_base = batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
     dv_base = batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
@@ -254,19 +249,19 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
     slopes = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the group's ALiBi slopes)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
                      score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, FIRST,
-                     HEAD_DIM, GROUP_SIZE, STAGES, VARIANT, ALIBI_ABS)),
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+                     HEAD_DIM, GROUP_SIZE, VARIANT, ALIBI_ABS)),
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
                      score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, SECOND,
-                     HEAD_DIM, GROUP_SIZE, STAGES, VARIANT, ALIBI_ABS)),
+                     HEAD_DIM, GROUP_SIZE, VARIANT, ALIBI_ABS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                      batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                      batch * k_batch_rows + kv_head * k_head_rows + start_key,
                      batch * v_batch_rows + kv_head * v_head_rows + start_key, first_row,
                      head * q_head_cols, head * do_head_cols, kv_head * k_head_cols, kv_head * v_head_cols,
                      q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem, q_bufs, do_bufs,
-                     lse_bufs, delta_bufs, kv_bar, ready, empty, m_lo, m_hi, seqlen_q, GROUP_SIZE, STAGES)),
+                     lse_bufs, delta_bufs, kv_bar, ring, m_lo, m_hi, seqlen_q, GROUP_SIZE)),
     ], [4, 1], [REGISTERS, 24])

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .hopper_dropout import dropout_rows, keep_pairs, row_calls
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, option_arguments,
-    query_program, release_unread, ring_barriers, round_pairs, stream_key_tiles, tile_arguments, tile_logits,
+    query_program, release_unread, make_ring, round_pairs, stream_key_tiles, tile_arguments, tile_logits,
     tile_logits_grad, tma_load,
 )
 from .configs import GLUON_TILES, GluonConfig
@@ -79,22 +79,21 @@ REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
-              q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, keys_lo, keys_hi, STAGES: gl.constexpr):
+              q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, keys_lo, keys_hi):
     """One warp: the program's Q and dO once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
     mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for w in gl.static_range(2):
         tma_load(q_desc, [q_row + w * ROWS, q_col], qdo_bar, q_smem.index(w))
         tma_load(do_desc, [do_row + w * ROWS, do_col], qdo_bar, do_smem.index(w))
-    stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
-                     STAGES)
+    stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
 
 @gluon.jit
-def _issue_products(q, do, k_bufs, v_bufs, ready, i, S_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
+def _issue_products(q, do, k_bufs, v_bufs, ring, i, S_LAYOUT: gl.constexpr):
     """Issue S = Q K^T and dP = dO V^T of the key tile in ring buffer ``i`` once it has
     arrived; returns both products in flight."""
     KEYS: gl.constexpr = k_bufs.shape[1]
-    idx = i % STAGES
-    mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+    idx = ring.index(i)
+    ring.wait_ready(i)
     zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp = warpgroup_mma(do, v_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -123,31 +122,30 @@ def _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_
     return gl.convert_layout(round_pairs(ds, DTYPE), OPERAND_LAYOUT)
 
 @gluon.jit
-def _key_range(dq, ds, i, start, end, q, do, k_bufs, v_bufs, ready, empty, first_row, rows, lse_log2, delta,
+def _key_range(dq, ds, i, start, end, q, do, k_bufs, v_bufs, ring, first_row, rows, lse_log2, delta,
                band, score, slope_log2, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
-               CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
-               ALIBI_ABS: gl.constexpr):
+               CALLS_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """The overlapped loop over key tiles [start, end), ring buffers i, i + 1, ...: each step
     issues this tile's S and dP and the previous tile's dQ += dS K (its dS ``ds``, buffer i -
     1) together and forms this tile's dS while dP and dQ run. Returns (dq, ds, the next
     buffer's count). MASKED: the tiles cross a band edge."""
     KEYS: gl.constexpr = k_bufs.shape[1]
     for n in range(start, end, KEYS):
-        prev = (i + STAGES - 1) % STAGES
-        s, dp = _issue_products(q, do, k_bufs, v_bufs, ready, i, S_LAYOUT, STAGES)
+        prev = ring.index(i + ring.STAGES - 1)  # (the previous tile's buffer)
+        s, dp = _issue_products(q, do, k_bufs, v_bufs, ring, i, S_LAYOUT)
         dq = warpgroup_mma(ds, k_bufs.index(prev), dq, is_async=True)
         ds = _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
                           k_bufs.dtype, S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_ABS)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        mbarrier.arrive(empty.index(prev), count=1)
+        ring.release(i + ring.STAGES - 1)
         i += 1
     return dq, ds, i
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,
+def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
               stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope, RngState,
               stream, dropout_threshold, dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-              CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+              CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """One warpgroup: dQ of query rows [start_m + WG * 64, + 64) over the key tiles [keys_lo,
     keys_hi) the producer streams."""
     KEYS: gl.constexpr = k_bufs.shape[1]
@@ -177,31 +175,29 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta
     mbarrier.wait(qdo_bar, 0)
     i = 0
     if MASK_LEFT_ & VARIANT:
-        i = release_unread(ready, empty, i, keys_lo, lo, KEYS, STAGES)
+        i = release_unread(ring, i, keys_lo, lo, KEYS)
     if lo < hi:
         # prologue: the first tile's dS, masked whichever range it lies in
-        s, dp = _issue_products(q, do, k_bufs, v_bufs, ready, i, s_layout, STAGES)
+        s, dp = _issue_products(q, do, k_bufs, v_bufs, ring, i, s_layout)
         ds = _score_grads(s, dp, lo, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
                           k_bufs.dtype, s_layout, operand_layout, CALLS_LAYOUT, 0, True, VARIANT, ALIBI_ABS)
         i += 1
         second = lo + KEYS
-        tiles = (q, do, k_bufs, v_bufs, ready, empty, first_row, rows, lse_log2, delta, band, score, slope_log2,
-                 dropout)
+        tiles = (q, do, k_bufs, v_bufs, ring, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout)
         if MASK_LEFT_ & VARIANT:
             dq, ds, i = _key_range(dq, ds, i, second, full_lo, *tiles, s_layout, operand_layout, CALLS_LAYOUT,
-                                   STAGES, True, VARIANT, ALIBI_ABS)
+                                   True, VARIANT, ALIBI_ABS)
         dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_lo, second), full_hi, *tiles, s_layout, operand_layout,
-                               CALLS_LAYOUT, STAGES, False, VARIANT, ALIBI_ABS)
+                               CALLS_LAYOUT, False, VARIANT, ALIBI_ABS)
         if MASK_RIGHT_ & VARIANT:
             dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_hi, second), hi, *tiles, s_layout, operand_layout,
-                                   CALLS_LAYOUT, STAGES, True, VARIANT, ALIBI_ABS)
+                                   CALLS_LAYOUT, True, VARIANT, ALIBI_ABS)
         # epilogue: the last tile's dQ product
-        last = (i + STAGES - 1) % STAGES
-        dq = warpgroup_mma(ds, k_bufs.index(last), dq, is_async=True)
+        dq = warpgroup_mma(ds, k_bufs.index(ring.index(i + ring.STAGES - 1)), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        mbarrier.arrive(empty.index(last), count=1)
+        ring.release(i + ring.STAGES - 1)  # (the last tile's buffer)
     if MASK_RIGHT_ & VARIANT:
-        release_unread(ready, empty, i, hi_end, keys_hi, KEYS, STAGES)
+        release_unread(ring, i, hi_end, keys_hi, KEYS)
     out_rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
     dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
     dq = dq * softmax_scale
@@ -230,24 +226,24 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc,
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, HEAD_DIM], v_desc.layout)
     qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(qdo_bar, count=1)
-    ready, empty = ring_barriers(STAGES)
+    ring = make_ring(STAGES)
 
     stat_base = batch.to(gl.int64) * stride_stat_b + head.to(gl.int64) * stride_stat_h
     dq_base = batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,
+        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
                      stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
-                     RngState, stream, dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT, STAGES,
+                     RngState, stream, dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT,
                      VARIANT, ALIBI_ABS)),
-        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, Lse, Delta, stat_base, DQ, dq_base,
+        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
                      stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
-                     RngState, stream, dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT, STAGES,
+                     RngState, stream, dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT,
                      VARIANT, ALIBI_ABS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc,
                      batch * q_batch_rows + head * q_head_rows + start_m, head * q_head_cols,
                      batch * do_batch_rows + head * do_head_rows + start_m, head * do_head_cols,
                      batch * k_batch_rows + kv_head * k_head_rows, kv_head * k_head_cols,
                      batch * v_batch_rows + kv_head * v_head_rows, kv_head * v_head_cols,
-                     q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ready, empty, keys_lo, keys_hi, STAGES)),
+                     q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, keys_lo, keys_hi)),
     ], [4, 1], [REGISTERS, 24])

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .hopper_dropout import dropout_rows, keep_pairs, row_calls
 from .hopper_gluon import (
     ALIBI_, ALIBI_ABOVE, ALIBI_ACROSS, ALIBI_BELOW, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_,
-    forward_logits, key_tiles, option_arguments, query_program, release_unread, ring_barriers, round_pairs,
+    forward_logits, key_tiles, option_arguments, query_program, release_unread, make_ring, round_pairs,
     stream_key_tiles, tile_arguments, tma_load,
 )
 from .configs import GLUON_TILES, GluonConfig
@@ -92,23 +92,21 @@ LN2_ = gl.constexpr(LN2)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_row, q_col, k_row, k_col, v_row, v_col, q_smem, k_bufs, v_bufs, q_bar,
-              ready, empty, keys_lo, keys_hi, STAGES: gl.constexpr):
+              ring, keys_lo, keys_hi):
     """One warp: the program's Q once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     for w in gl.static_range(2):
         tma_load(q_desc, [q_row + w * ROWS, q_col], q_bar, q_smem.index(w))
-    stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
-                     STAGES)
+    stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
 
 @gluon.jit
-def _issue_scores(q, k_bufs, ready, i, S_LAYOUT: gl.constexpr, STAGES: gl.constexpr):
+def _issue_scores(q, k_bufs, ring, i, S_LAYOUT: gl.constexpr):
     """Issue S = Q K^T of the key tile in ring buffer ``i`` once it has arrived; returns the
     product in flight."""
     KEYS: gl.constexpr = k_bufs.shape[1]
-    idx = i % STAGES
-    mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
+    ring.wait_ready(i)
     zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
-    return warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return warpgroup_mma(q, k_bufs.index(ring.index(i)).permute((1, 0)), zero_s, use_acc=False, is_async=True)
 
 @gluon.jit
 def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2, pivot_constant, dropout,
@@ -155,10 +153,9 @@ def _rescale(o, alpha, VARIANT: gl.constexpr):
     return o
 
 @gluon.jit
-def _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, n, first_row, rows, band, score,
+def _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ring, i, n, first_row, rows, band, score,
               slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
-              CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr,
-              ALIBI_SIDE: gl.constexpr):
+              CALLS_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
     """One step of the overlapped loop for key tile [n, n + KEYS), MASKED if it crosses a band
     edge; returns (o, carried, row_max, row_sum). Two schedules (module docstring):
 
@@ -170,49 +167,48 @@ def _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ready, empty, i, 
       rescale O and issue O += P V; here every wait follows a product issued behind the work it
       is meant to overlap, which ptxas cannot move the wait above (docs/design.md#gluon-forward)."""
     if SCORES_AHEAD_ & VARIANT:
-        idx = i % STAGES
-        s_next = _issue_scores(q, k_bufs, ready, i + 1, S_LAYOUT, STAGES)
+        idx = ring.index(i)
+        s_next = _issue_scores(q, k_bufs, ring, i + 1, S_LAYOUT)
         p, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, n, first_row, rows, band, score,
                                                     slope_log2, pivot_constant, dropout, k_bufs.dtype, S_LAYOUT,
                                                     OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_SIDE)
         o = warpgroup_mma(p, v_bufs.index(idx), _rescale(o, alpha, VARIANT), is_async=True)
         carried = warpgroup_mma_wait(1, deps=(s_next,))
         o = warpgroup_mma_wait(0, deps=(o,))
-        mbarrier.arrive(empty.index(idx), count=1)
+        ring.release(i)
     else:
-        prev = (i + STAGES - 1) % STAGES
-        s = _issue_scores(q, k_bufs, ready, i, S_LAYOUT, STAGES)
+        prev = ring.index(i + ring.STAGES - 1)  # (the previous tile's buffer)
+        s = _issue_scores(q, k_bufs, ring, i, S_LAYOUT)
         o = warpgroup_mma(carried, v_bufs.index(prev), o, is_async=True)
         carried, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score,
                                                           slope_log2, pivot_constant, dropout, k_bufs.dtype,
                                                           S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED,
                                                           VARIANT, ALIBI_SIDE)
         o = warpgroup_mma_wait(0, deps=(o,))
-        mbarrier.arrive(empty.index(prev), count=1)
+        ring.release(i + ring.STAGES - 1)
         o = _rescale(o, alpha, VARIANT)
     return o, carried, row_max, row_sum
 
 @gluon.jit
-def _key_range(o, carried, row_max, row_sum, i, start, end, q, k_bufs, v_bufs, ready, empty, first_row, rows,
+def _key_range(o, carried, row_max, row_sum, i, start, end, q, k_bufs, v_bufs, ring, first_row, rows,
                band, score, slope_log2, pivot_constant, dropout, S_LAYOUT: gl.constexpr,
-               OPERAND_LAYOUT: gl.constexpr, CALLS_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-               MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
+               OPERAND_LAYOUT: gl.constexpr, CALLS_LAYOUT: gl.constexpr, MASKED: gl.constexpr,
+               VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
     """``_key_tile`` over the key tiles [start, end), ring buffers i, i + 1, ...; returns (o,
     carried, row_max, row_sum, the next buffer's count)."""
     KEYS: gl.constexpr = k_bufs.shape[1]
     for n in range(start, end, KEYS):
-        o, carried, row_max, row_sum = _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ready, empty,
-                                                 i, n, first_row, rows, band, score, slope_log2, pivot_constant,
-                                                 dropout, S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, STAGES, MASKED,
-                                                 VARIANT, ALIBI_SIDE)
+        o, carried, row_max, row_sum = _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ring, i, n,
+                                                 first_row, rows, band, score, slope_log2, pivot_constant, dropout,
+                                                 S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, MASKED, VARIANT, ALIBI_SIDE)
         i += 1
     return o, carried, row_max, row_sum, i
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse, lse_base, sink,
               start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream, dropout_threshold,
               dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, CALLS_LAYOUT: gl.constexpr,
-              STAGES: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+              VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """One warpgroup: O and lse of query rows [start_m + WG * 64, + 64) over the key tiles
     [keys_lo, keys_hi) the producer streams."""
     KEYS: gl.constexpr = k_bufs.shape[1]
@@ -252,12 +248,12 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride
     mbarrier.wait(q_bar, 0)
     i = 0
     if MASK_LEFT_ & VARIANT:
-        i = release_unread(ready, empty, i, keys_lo, lo, KEYS, STAGES)
+        i = release_unread(ring, i, keys_lo, lo, KEYS)
     if lo < hi:
         # prologue: the first tile's S, and with P V behind S its P too (masked whichever range
         # it lies in); the steps then run from ``first_step`` to ``step_end``, the last tile's
         # P (SCORES_AHEAD) or P V after them
-        s = _issue_scores(q, k_bufs, ready, i, s_layout, STAGES)
+        s = _issue_scores(q, k_bufs, ring, i, s_layout)
         if SCORES_AHEAD_ & VARIANT:
             carried = warpgroup_mma_wait(0, deps=(s,))
             first_step = lo
@@ -270,11 +266,11 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride
             i += 1
             first_step = lo + KEYS
             step_end = hi
-        tiles = (q, k_bufs, v_bufs, ready, empty, first_row, rows, band, score, slope_log2, pivot_constant, dropout)
+        tiles = (q, k_bufs, v_bufs, ring, first_row, rows, band, score, slope_log2, pivot_constant, dropout)
         if MASK_LEFT_ & VARIANT:
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, first_step,
                                                          gl.minimum(full_lo, step_end), *tiles, s_layout,
-                                                         operand_layout, CALLS_LAYOUT, STAGES, True, VARIANT,
+                                                         operand_layout, CALLS_LAYOUT, True, VARIANT,
                                                          EDGE_SIDE)
         below_end = gl.maximum(full_lo, first_step)
         above_start = below_end
@@ -287,21 +283,21 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i,
                                                          gl.maximum(full_lo, first_step),
                                                          gl.minimum(below_end, step_end), *tiles, s_layout,
-                                                         operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                         operand_layout, CALLS_LAYOUT, False, VARIANT,
                                                          ALIBI_BELOW)
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, below_end,
                                                          gl.minimum(above_start, step_end), *tiles, s_layout,
-                                                         operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                         operand_layout, CALLS_LAYOUT, False, VARIANT,
                                                          ALIBI_ACROSS)
         # (all full tiles without ALIBI_ABS)
         o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, above_start,
                                                      gl.minimum(full_hi, step_end), *tiles, s_layout,
-                                                     operand_layout, CALLS_LAYOUT, STAGES, False, VARIANT,
+                                                     operand_layout, CALLS_LAYOUT, False, VARIANT,
                                                      FULL_SIDE)
         if MASK_RIGHT_ & VARIANT:
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i,
                                                          gl.maximum(full_hi, first_step), step_end, *tiles,
-                                                         s_layout, operand_layout, CALLS_LAYOUT, STAGES, True,
+                                                         s_layout, operand_layout, CALLS_LAYOUT, True,
                                                          VARIANT, EDGE_SIDE)
         # epilogue: the last tile's P V (SCORES_AHEAD: its P first)
         if SCORES_AHEAD_ & VARIANT:
@@ -311,12 +307,11 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride
                                                               CALLS_LAYOUT, 0, True, VARIANT, EDGE_SIDE)
             o = _rescale(o, alpha, VARIANT)
             i += 1
-        last_buffer = (i + STAGES - 1) % STAGES
-        o = warpgroup_mma(carried, v_bufs.index(last_buffer), o, is_async=True)
+        o = warpgroup_mma(carried, v_bufs.index(ring.index(i + ring.STAGES - 1)), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o,))
-        mbarrier.arrive(empty.index(last_buffer), count=1)
+        ring.release(i + ring.STAGES - 1)  # (the last tile's buffer)
     if MASK_RIGHT_ & VARIANT:
-        release_unread(ready, empty, i, hi_end, keys_hi, KEYS, STAGES)
+        release_unread(ring, i, hi_end, keys_hi, KEYS)
 
     empty_row = row_sum == 0.0
     inv_sum = 1.0 / gl.where(empty_row, 1.0, row_sum)
@@ -351,24 +346,24 @@ def _forward_kernel(q_desc, k_desc, v_desc,
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    ready, empty = ring_barriers(STAGES)
+    ring = make_ring(STAGES)
 
     lse_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
     out_base = batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     sink = Sinks + head
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse, lse_base, sink,
                      start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream,
-                     dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT, STAGES, VARIANT,
+                     dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT, VARIANT,
                      ALIBI_ABS)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, out_base, stride_om, Lse, lse_base, sink,
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse, lse_base, sink,
                      start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream,
-                     dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT, STAGES, VARIANT,
+                     dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT, VARIANT,
                      ALIBI_ABS)),
         (_producer, (q_desc, k_desc, v_desc,
                      batch * q_batch_rows + head * q_head_rows + start_m, head * q_head_cols,
                      batch * k_batch_rows + kv_head * k_head_rows, kv_head * k_head_cols,
                      batch * v_batch_rows + kv_head * v_head_rows, kv_head * v_head_cols,
-                     q_smem, k_bufs, v_bufs, q_bar, ready, empty, keys_lo, keys_hi, STAGES)),
+                     q_smem, k_bufs, v_bufs, q_bar, ring, keys_lo, keys_hi)),
     ], [4, 1], [REGISTERS, 24])

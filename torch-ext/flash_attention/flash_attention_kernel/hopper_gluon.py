@@ -12,6 +12,10 @@ slice's rows), with head dim 64 or 128; every option (causal, window, softcap, A
 dropout) runs in them. Everything else (varlen, paged caches, ragged tiles, other head dims,
 fp32, calls traced by torch.compile) takes the tl kernels.
 
+A ring is one ``Ring`` (a Gluon aggregate, as Triton's own Gluon attention example holds its
+channels): its "ready" and "empty" mbarriers, its depth, and the only place that turns a tile's
+count into a buffer and a barrier phase (``wait_ready``, ``release``, the producer's ``claim``).
+
 Scores: the Gluon kernels cannot call ``scores.py``'s tl functions. The rules both need in the
 same form are written once in ``rules.py`` and compiled here for Gluon: ``band_tiles`` (which
 tiles a warpgroup visits: masked ones crossing a window edge, full ones, and the ones it releases
@@ -34,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate  # (gluon.aggregate from Triton 3.9 on: the same)
 
 from .hopper_route import KERNEL_BITS
 from .launch import RowGeometry, SequenceLayout
@@ -81,16 +86,59 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _SHARED = rules.instantiate(gl, gluon.jit)
 band_tiles, tanh_approx, philox_rounds = _SHARED.band_tiles, _SHARED.tanh_approx, _SHARED.philox_rounds
 
+@aggregate
+class Ring:
+    """A ring of STAGES shared-memory buffers that the producer warp fills by TMA and both consumer
+    warpgroups read, as Triton's Gluon attention example holds its channels: the i-th tile of a
+    stream sits in buffer ``index(i)`` = i % STAGES; its "ready" mbarrier completes when the tile
+    has arrived (``wait_ready``), its "empty" one when both warpgroups have released it
+    (``release``; count 2), which the producer waits for before it fills the buffer again
+    (``claim``). Each use of a buffer is one phase of its barriers, so the i-th waits for phase
+    (i // STAGES) & 1; the parities live here and nowhere else. The buffers themselves are the
+    kernels' (K and V tiles, Q and dO tiles with their rows' statistics)."""
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ready, empty, STAGES):
+        self.ready = ready
+        self.empty = empty
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def index(self, i):
+        return i % self.STAGES
+
+    @gluon.jit
+    def wait_ready(self, i):
+        """Wait until the i-th tile has arrived in its buffer."""
+        mbarrier.wait(self.ready.index(i % self.STAGES), (i // self.STAGES) & 1)
+
+    @gluon.jit
+    def release(self, i):
+        """This warpgroup is done with the i-th tile's buffer."""
+        mbarrier.arrive(self.empty.index(i % self.STAGES), count=1)
+
+    @gluon.jit
+    def claim(self, i, nbytes):
+        """(The producer) wait until the i-th tile's buffer is free (a fresh barrier passes parity
+        1), announce ``nbytes`` on its "ready" barrier and return that barrier for the loads."""
+        mbarrier.wait(self.empty.index(i % self.STAGES), ((i // self.STAGES) & 1) ^ 1)
+        mbarrier.expect(self.ready.index(i % self.STAGES), nbytes)
+        return self.ready.index(i % self.STAGES)
+
+
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """(ready, empty) mbarriers of a ring of STAGES buffers: the producer's TMA completes
-    "ready", both consumer warpgroups arrive on "empty" to release a buffer."""
+def make_ring(STAGES: gl.constexpr):
+    """A ``Ring`` of STAGES buffers' barriers, initialised: "ready" completes on one arrival (the
+    TMA's transaction count), "empty" on two (both consumer warpgroups)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
-    return ready, empty
+    return Ring(ready, empty, STAGES)
 
 @gluon.jit
 def round_pairs(x, dtype: gl.constexpr):
@@ -139,30 +187,25 @@ def query_program(seqlen_k, band, AlibiSlopes, stride_alibi_b, ROWS: gl.constexp
     return start_m, head, batch, head // GROUP_SIZE, keys_lo, keys_hi, stream, slope
 
 @gluon.jit
-def stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ready, empty, keys_lo, keys_hi,
-                     STAGES: gl.constexpr):
+def stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi):
     """The producer warp's loop of the forward and dQ kernels: the (K, V) tiles of keys
-    [keys_lo, keys_hi) by TMA through the ring of STAGES buffers, each loaded once both
-    consumer warpgroups have released its buffer ("empty") and announced on "ready"."""
+    [keys_lo, keys_hi) by TMA through the ``ring`` (buffers ``k_bufs``, ``v_bufs``)."""
     KEYS: gl.constexpr = k_bufs.shape[1]
     i = 0
     for n in range(keys_lo, keys_hi, KEYS):
-        idx = i % STAGES
-        mbarrier.wait(empty.index(idx), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier passes parity 1)
-        mbarrier.expect(ready.index(idx), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [k_row + n, k_col], ready.index(idx), k_bufs.index(idx))
-        tma_load(v_desc, [v_row + n, v_col], ready.index(idx), v_bufs.index(idx))
+        arrived = ring.claim(i, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [k_row + n, k_col], arrived, k_bufs.index(ring.index(i)))
+        tma_load(v_desc, [v_row + n, v_col], arrived, v_bufs.index(ring.index(i)))
         i += 1
 
 @gluon.jit
-def release_unread(ready, empty, i, start, end, BLOCK: gl.constexpr, STAGES: gl.constexpr):
-    """Release the ring buffers of tiles [start, end) (start a multiple of BLOCK) unread: tiles
-    the producer streams for the other warpgroup. Each is waited for, so that no arrival on
-    "empty" completes a later phase early. Returns the next buffer's count."""
+def release_unread(ring, i, start, end, BLOCK: gl.constexpr):
+    """Release the ``ring``'s buffers of tiles [start, end) (start a multiple of BLOCK) unread:
+    tiles the producer streams for the other warpgroup. Each is waited for, so that no arrival on
+    "empty" completes a later phase early. Returns the next tile's count."""
     for _ in range(start, end, BLOCK):
-        idx = i % STAGES
-        mbarrier.wait(ready.index(idx), (i // STAGES) & 1)
-        mbarrier.arrive(empty.index(idx), count=1)
+        ring.wait_ready(i)
+        ring.release(i)
         i += 1
     return i
 
