@@ -85,7 +85,7 @@ module = importlib.import_module(name + ".flash_attention_kernel.hopper_" + kern
 shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
 descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
 geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
-options = dict(qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32", window_left="i32",
+options = dict(score_scale="fp32", softcap_log2="fp32", softmax_scale="fp32", window_left="i32",
                window_right="i32", AlibiSlopes="*fp32", stride_alibi_b="i32", RngState="*i64",
                dropout_threshold="i32", dropout_scale="fp32")
 if kernel == "dkdv":

@@ -75,7 +75,7 @@ def descriptor(rows):
 
 types = dict(q_desc=descriptor(module.QUERY_ROWS), k_desc=descriptor(module.KEY_ROWS),
              v_desc=descriptor(module.KEY_ROWS), Out="*bf16", Lse="*fp32", Sinks="*fp32", AlibiSlopes="*fp32",
-             RngState="*i64", qk_log2="fp32", tanh_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
+             RngState="*i64", score_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
              dropout_scale="fp32")
 constants = dict(HEAD_DIM=head_dim, KEYS=module.KEY_ROWS, GROUP_SIZE=group,
                  STAGES=configs.gluon_config("fwd", head_dim, "none").stages, CALLS_LAYOUT=module.CALLS,

@@ -217,7 +217,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
                  v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
                  lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
-                 qk_log2, tanh_scale, softcap_log2, softmax_scale, window_left, window_right,
+                 score_scale, softcap_log2, softmax_scale, window_left, window_right,
                  AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
                  HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
@@ -228,7 +228,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
     batch = gl.program_id(2)
     head = kv_head * GROUP_SIZE  # the group's first query head
     band = (diag, window_left, window_right)
-    score = (qk_log2, tanh_scale, softcap_log2)
+    score = (score_scale, softcap_log2)
     # the query tiles any of the program's keys is seen from: the producer streams these
     m_lo, _, _, m_hi = _query_tiles(start_key, start_key + 2 * KEYS - 1, seqlen_q, band, VARIANT)
 

@@ -208,7 +208,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc,
                q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
                Lse, Delta, stride_stat_b, stride_stat_h, DQ, stride_dqb, stride_dqh, stride_dqm, seqlen_k, diag,
-               qk_log2, tanh_scale, softcap_log2, softmax_scale, window_left, window_right,
+               score_scale, softcap_log2, softmax_scale, window_left, window_right,
                AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
                HEAD_DIM: gl.constexpr, KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
@@ -216,7 +216,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc,
     and ALIBI_ABS its constexprs; CALLS_LAYOUT: ``hopper_dropout.row_calls(KEYS)``, the layout
     of dropout's Philox calls."""
     band = (diag, window_left, window_right)
-    score = (qk_log2, tanh_scale, softcap_log2)
+    score = (score_scale, softcap_log2)
     start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
         seqlen_k, band, AlibiSlopes, stride_alibi_b, 2 * ROWS, KEYS, GROUP_SIZE, VARIANT)
 

@@ -226,7 +226,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
         slope_log2 = gl.load(slope) * LOG2E_
     pivot_constant = 0.0
     if FIXED_PIVOT_ & VARIANT:  # (scores.row_start: every exp2 within [2^-120, 2^32])
-        pivot_constant = gl.maximum(score[2] - PIVOT_HEADROOM, 0.0)
+        pivot_constant = gl.maximum(score[1] - PIVOT_HEADROOM, 0.0)
         row_max = gl.full([ROWS], 0.0, gl.float32, row_layout) + pivot_constant
         row_sum = gl.zeros([ROWS], gl.float32, row_layout)
     elif SINKS_ & VARIANT:
@@ -329,7 +329,7 @@ def _forward_kernel(q_desc, k_desc, v_desc,
                     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                     v_batch_rows, v_head_rows, v_head_cols,
                     Out, stride_ob, stride_oh, stride_om, Lse, stride_lse_b, stride_lse_h, Sinks, seqlen_k, diag,
-                    qk_log2, tanh_scale, softcap_log2, softmax_scale, window_left, window_right,
+                    score_scale, softcap_log2, softmax_scale, window_left, window_right,
                     AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
                     HEAD_DIM: gl.constexpr, KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                     CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
@@ -337,7 +337,7 @@ def _forward_kernel(q_desc, k_desc, v_desc,
     and ALIBI_ABS its constexprs (VARIANT plus SINKS and FIXED_PIVOT); CALLS_LAYOUT:
     ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls."""
     band = (diag, window_left, window_right)
-    score = (qk_log2, tanh_scale, softcap_log2)
+    score = (score_scale, softcap_log2)
     start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
         seqlen_k, band, AlibiSlopes, stride_alibi_b, 2 * ROWS, KEYS, GROUP_SIZE, VARIANT)
 

@@ -64,17 +64,17 @@ def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
 
 
 def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple:
-    """(arguments, constexprs) of the options as both kernels take them. Arguments: qk_log2,
-    tanh_scale, softcap_log2 (the logit in base 2 is q.k * qk_log2, or under a softcap
-    softcap_log2 * tanh(q.k * tanh_scale)), softmax_scale, window_left, window_right, AlibiSlopes,
-    stride_alibi_b, RngState, dropout_threshold, dropout_scale (``stand_in`` fills unused
-    pointers). Constexprs: VARIANT (KERNEL_BITS of the options' bit set) and ALIBI_ABS (ALiBi with
-    visible pairs above the diagonal, where its distance needs an absolute value)."""
-    slopes, stride_alibi_b, _, rng_state, _, _, left, right, dropout_threshold, dropout_scale = \
+    """(arguments, constexprs) of the options as both kernels take them: ``options.kernel_args``'
+    values, as the tl kernels take them. Arguments: score_scale, softcap_log2 (the logit in base 2
+    is q.k * score_scale, or under a softcap softcap_log2 * tanh(q.k * score_scale): scores.logits'
+    units), softmax_scale, window_left, window_right, AlibiSlopes, stride_alibi_b, RngState,
+    dropout_threshold, dropout_scale (``stand_in`` fills unused pointers). Constexprs: VARIANT
+    (KERNEL_BITS of the options' bit set) and ALIBI_ABS (ALiBi with visible pairs above the
+    diagonal, where its distance needs an absolute value)."""
+    slopes, stride_alibi_b, _, rng_state, score_scale, softcap_log2, left, right, dropout_threshold, dropout_scale = \
         options.kernel_args(stand_in)
-    softcap, scale = options.softcap, options.softmax_scale
-    arguments = (scale * LOG2E, scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, scale, left, right,
-                 slopes, stride_alibi_b, rng_state, dropout_threshold, dropout_scale)
+    arguments = (score_scale, softcap_log2, options.softmax_scale, left, right, slopes, stride_alibi_b, rng_state,
+                 dropout_threshold, dropout_scale)
     alibi_abs = options.alibi_slopes is not None and options.window[1] != 0
     return arguments, dict(VARIANT=options.variant & KERNEL_BITS, ALIBI_ABS=alibi_abs)
 
@@ -216,21 +216,21 @@ def tile_logits(s, lse_log2, queries, keys, key_base, band, score, slope_log2, M
     lse (lse_log2 = lse * log2(e)), -inf where MASKED and outside the band, so that P =
     exp2(x); capped = the softcap's tanh (for ``tile_logits_grad``). ``queries``, ``keys`` and
     ``lse_log2`` are shaped to broadcast against ``s``. band = (diag, left, right): query i sees
-    key j iff i + diag - left <= j <= i + diag + right (scores.visible); score = (qk_log2,
-    tanh_scale, softcap_log2).
+    key j iff i + diag - left <= j <= i + diag + right (scores.visible); score = (score_scale,
+    softcap_log2), ``option_arguments``'.
 
     ALiBi adds -slope |i + diag - j|, its distance taken from ``key_base`` (near the tile) so
     that fp32 holds both parts exactly. Without ALIBI_ABS every visible pair has i + diag >= j,
     and the bias splits into a row term, folded into the lse, and a key term: one addition
     per score instead of a subtraction, an absolute value and a multiply-add."""
     diag, left, right = band
-    qk_log2, tanh_scale, softcap_log2 = score
+    score_scale, softcap_log2 = score
     if SOFTCAP_ & VARIANT:
-        capped = tanh_approx(s * tanh_scale)
+        capped = tanh_approx(s * score_scale)
         scaled = capped * softcap_log2
     else:
         capped = s
-        scaled = s * qk_log2
+        scaled = s * score_scale
     if ALIBI_ & VARIANT:
         row_distance = (queries + (diag - key_base)).to(gl.float32)
         key_offset = (keys - key_base).to(gl.float32)
@@ -268,13 +268,13 @@ def forward_logits(s, rows, keys, key_base, band, score, slope_log2, MASKED: gl.
     >= 0 (ALIBI_SIDE = ALIBI_BELOW) or all d <= 0 (ALIBI_ABOVE) it splits into a row term,
     folded into row_offset, and a key term: one operation per score; a tile across the
     diagonal (ALIBI_ACROSS) takes two (the absolute value)."""
-    qk_log2, tanh_scale, softcap_log2 = score
+    score_scale, softcap_log2 = score
     if SOFTCAP_ & VARIANT:
-        t = tanh_approx(s * tanh_scale)
+        t = tanh_approx(s * score_scale)
         unit = softcap_log2
     else:
         t = s
-        unit = qk_log2
+        unit = score_scale
     row_offset = 0.0
     if ALIBI_ & VARIANT:
         diag, _, _ = band
