@@ -256,11 +256,10 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
     dim_a, dim_b = head_dim_chunks(head_dim)
     if plan.tl.tma and not interpreted:
         ensure_scratch_allocator()
-    cu_seqlens_q, cu_seqlens_k, total_q, total_k = layout.cu_seqlens(q, k)
 
     def launch(config, specialized):
         wrap_kernel(_attn_fwd_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, v, out, lse, (cu_seqlens_q, cu_seqlens_k), total_q, total_k, layout.paging(k),
+            q, k, v, out, lse, *layout.cu_seqlens(q, k), layout.paging(k),
             layout.strides(q), layout.kv_strides(k), layout.kv_strides(v), layout.strides(out),
             layout.stat_strides(lse), *layout.seqlens(), options.kernel_args(q),
             GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
