@@ -99,7 +99,8 @@ class _Flattener:
     each tuple argument's elements in its place; the shape holds the argument types, the leaves'
     types and each tuple's length, which fix how the leaves group into arguments. Built from an
     itemgetter of slices (the plain arguments between tuples) and tuples, so a launch flattens in a
-    few C calls."""
+    few C calls. One level: a tuple inside a tuple would stay a leaf, keyed by value (the kernels
+    pass none)."""
 
     def __init__(self, types: tuple):
         grouped = [i for i, kind in enumerate(types) if kind is tuple]
