@@ -31,7 +31,6 @@ Usage: python benchmarks/resource_report.py [--arch 90] [--variant causal,softca
        a Triton in launch.WARP_SPECIALIZATION_CHECKED; scripts/triton_matrix.py compiles so)
 """
 
-import ast
 import contextlib
 import itertools
 import multiprocessing
@@ -39,7 +38,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,53 +63,22 @@ VARIANT_BITS = {"window": options.MASK_LEFT | options.MASK_RIGHT, "causal": opti
                 "wide_products": options.WIDE_PRODUCTS}
 
 
-def _argument_names(kernel) -> list:
-    """Each runtime argument's name, or for a grouped argument (a tuple the kernel unpacks at its
-    top, ``stride_qb, stride_qh, stride_qm = q_strides``) the tuple of its elements' names, read
-    off the kernel's source: the names the rules below classify."""
-    groups = {}
-    for node in ast.walk(ast.parse(textwrap.dedent(kernel.src))):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Tuple) and node.value.id in kernel.arg_names):
-            groups[node.value.id] = tuple(element.id for element in node.targets[0].elts)
-    return [groups.get(name, name) for name in kernel.arg_names]
-
-
-def _argument_type(name, dtype, constexprs):
-    if name in constexprs:
-        return "constexpr"
-    if name.startswith("CuSeqlens") or name in INT32_POINTERS:
-        return "*i32"
-    if name == "RngState":
-        return "*i64"
-    if name[0].isupper():
-        return "*fp32" if name in STATS else f"*{dtype}"
-    return "fp32" if name in FLOAT_ARGS else "i32"
-
-
-def _divisible(name, argument_type) -> bool:
-    """Whether a launch would mark the argument divisible by 16 (see the module docstring)."""
-    return argument_type not in ("constexpr", "fp32") and not name.startswith("seqlen") and name not in SCALAR_OPTIONS
-
-
-def _compile_arguments(kernel, dtype, constexprs):
-    """ASTSource's signature, constexprs and attrs for ``kernel``: a grouped argument's types as a
-    tuple, its elements' constexprs and divisibility hints keyed by their (argument, element) path."""
-    signature, constants, attrs = {}, {}, {}
-    for i, (name, names) in enumerate(zip(kernel.arg_names, _argument_names(kernel))):
+def _signature(kernel, dtype, constexprs):
+    signature = {}
+    for name in kernel.arg_names:
         if name in constexprs:
-            signature[name], constants[name] = "constexpr", constexprs[name]
-            continue
-        paths = [((i, j), element) for j, element in enumerate(names)] if isinstance(names, tuple) else [((i,), name)]
-        types = []
-        for path, element in paths:
-            types.append(_argument_type(element, dtype, constexprs))
-            if element in constexprs:
-                constants[path] = constexprs[element]
-            elif _divisible(element, types[-1]):
-                attrs[path] = [["tt.divisibility", 16]]
-        signature[name] = tuple(types) if isinstance(names, tuple) else types[0]
-    return signature, constants, attrs
+            signature[name] = "constexpr"
+        elif name.startswith("CuSeqlens") or name in INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name == "RngState":
+            signature[name] = "*i64"
+        elif name[0].isupper():
+            signature[name] = "*fp32" if name in STATS else f"*{dtype}"
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    return signature
 
 
 def _code_only(ptx):
@@ -147,8 +114,12 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
                       HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), SEQLENS_PER_BATCH=True,
                       HAS_BATCH_IDX=True, HAS_LEFTPAD=True, HAS_NEW=True, ROTARY_DIM=head_dim - head_dim % 2,
                       INTERLEAVED=False, ROTATE_BY_ROW=True, SPLIT=True)
-    signature, constants, divisible = _compile_arguments(kernel, dtype, constexprs)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=divisible),
+    constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    signature = _signature(kernel, dtype, constexprs)
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                 if signature[name] not in ("constexpr", "fp32") and not name.startswith("seqlen")
+                 and name not in SCALAR_OPTIONS}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=divisible),
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
     if ptx_path is not None:

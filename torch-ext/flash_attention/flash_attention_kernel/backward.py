@@ -59,15 +59,14 @@ from .tiles import (
 
 @triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def _attn_bwd_preprocess_kernel(
-    Out, DO, DLse, Delta, CuSeqlensQ, total_q, out_strides, do_strides, stat_strides, seqlen_q,
+    Out, DO, DLse, Delta, CuSeqlensQ, total_q,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    stride_stat_b, stride_stat_h,
+    seqlen_q,
     HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Delta = rowsum(dO * O) - dLse of BLOCK_M query rows. out_strides, do_strides: (batch, head,
-    row) strides of Out, DO; stat_strides: (batch, head) of DLse and Delta (row stride 1)."""
-    stride_ob, stride_oh, stride_om = out_strides
-    stride_dob, stride_doh, stride_dom = do_strides
-    stride_stat_b, stride_stat_h = stat_strides
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -140,29 +139,21 @@ def _dkdv_query_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, RowScale, DK, DV, cu_seqlens, total_q, total_k,
-    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, stat_strides,
-    seqlen_q, seqlen_k, softmax_scale, option_args,
+    Q, K, V, DO, Lse, Delta, RowScale, DK, DV, CuSeqlensQ, CuSeqlensK, total_q, total_k,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_stat_b, stride_stat_h,
+    seqlen_q, seqlen_k, softmax_scale,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """dK and dV of BLOCK_N key rows of one KV head, over the query rows of every head sharing it.
-
-    Grouped arguments (tuples; docs/design.md#kernel-signatures): one (batch, head, row) stride
-    tuple per tensor (Q, K, V, DO, DK, DV); stat_strides: (batch, head) of the row statistics
-    (Lse, Delta, RowScale; row stride 1); cu_seqlens: (CuSeqlensQ, CuSeqlensK), None for dense inputs;
-    option_args: the options, as ``options.AttentionOptions.kernel_args`` gives them."""
-    stride_qb, stride_qh, stride_qm = q_strides
-    stride_kb, stride_kh, stride_kn = k_strides
-    stride_vb, stride_vh, stride_vn = v_strides
-    stride_dob, stride_doh, stride_dom = do_strides
-    stride_dkb, stride_dkh, stride_dkn = dk_strides
-    stride_dvb, stride_dvh, stride_dvn = dv_strides
-    stride_stat_b, stride_stat_h = stat_strides
-    CuSeqlensQ, CuSeqlensK = cu_seqlens
-    (AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
-     dropout_threshold, dropout_scale) = option_args
     start_n = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -302,9 +293,17 @@ def _dq_row_sums_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Out, Lse, DLse, Delta, RowScale, DQ, cu_seqlens, total_q, total_k,
-    q_strides, k_strides, v_strides, do_strides, out_strides, dq_strides, stat_strides,
-    seqlen_q, seqlen_k, softmax_scale, option_args,
+    Q, K, V, DO, Out, Lse, DLse, Delta, RowScale, DQ, CuSeqlensQ, CuSeqlensK, total_q, total_k,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_ob, stride_oh, stride_om,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_stat_b, stride_stat_h,
+    seqlen_q, seqlen_k, softmax_scale,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -325,22 +324,7 @@ def _attn_bwd_dq_kernel(
       very P and dP that dS = P (dP - delta) takes: where one key holds nearly all of a row's P,
       dP - delta of that key is a small difference in which dP's rounding cancels, as it does in
       PyTorch; rowsum(dO * O) holds O's rounding instead, which does not cancel (tests/test_fuzz.py
-      case 82: dK at 7x PyTorch's error with it, 0.5x with this one).
-
-    Grouped arguments (tuples; docs/design.md#kernel-signatures): one (batch, head, row) stride
-    tuple per tensor (Q, K, V, DO, Out, DQ); stat_strides: (batch, head) of the row statistics
-    (Lse, DLse, Delta, RowScale; row stride 1); cu_seqlens: (CuSeqlensQ, CuSeqlensK), None for dense inputs;
-    option_args: the options, as ``options.AttentionOptions.kernel_args`` gives them."""
-    stride_qb, stride_qh, stride_qm = q_strides
-    stride_kb, stride_kh, stride_kn = k_strides
-    stride_vb, stride_vh, stride_vn = v_strides
-    stride_dob, stride_doh, stride_dom = do_strides
-    stride_ob, stride_oh, stride_om = out_strides
-    stride_dqb, stride_dqh, stride_dqm = dq_strides
-    stride_stat_b, stride_stat_h = stat_strides
-    CuSeqlensQ, CuSeqlensK = cu_seqlens
-    (AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
-     dropout_threshold, dropout_scale) = option_args
+      case 82: dK at 7x PyTorch's error with it, 0.5x with this one)."""
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -472,7 +456,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     common = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, IS_VARLEN=layout.is_varlen)
     matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, VARIANT=kernel_variant(options, q.dtype, interpreted),
                   PRECISION=precision_mode(q.dtype, interpreted))
-    lengths_and_options = (*layout.seqlens(), options.softmax_scale, options.kernel_args(q))
+    option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
 
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
     plan = plan_backward(options, layout, interpreted, q, k, v, dout)
@@ -489,8 +473,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     def launch_dq(config, specialized):
         wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
             q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
-            layout.strides(q), layout.strides(k), layout.strides(v), layout.strides(dout), layout.strides(out),
-            layout.strides(dq), layout.stat_strides(delta), *lengths_and_options, **common, **matmul,
+            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
+            *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
             USE_TMA=plan.dq.tl.tma, WARP_SPECIALIZE=specialized, COMPUTE_DELTA=plan.delta_source == DELTA_IN_DQ,
             HAS_DLSE=has_dlse, **config.launch_args(),
         )
@@ -498,9 +482,9 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     def launch_dkdv(config, specialized):
         wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)](
             q, k, v, dout, lse, delta, row_scale, dk, dv, *layout.cu_seqlens(q, k),
-            layout.strides(q), layout.strides(k), layout.strides(v), layout.strides(dout),
-            layout.strides(dk), layout.strides(dv), layout.stat_strides(delta),
-            *lengths_and_options, **common, **matmul,
+            *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
+            *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
+            *option_args, **common, **matmul,
             USE_TMA=plan.dkdv.tl.tma, **config.launch_args(),
         )
 
@@ -509,8 +493,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     else:
         pre_block = 64 if not interpreted else 32
         wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
-            out, dout, dlse, delta, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[1],
-            layout.strides(out), layout.strides(dout), layout.stat_strides(delta), layout.seqlen_q,
+            out, dout, dlse, delta, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[2],
+            *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
         )
     if plan.dkdv.gluon is not None:

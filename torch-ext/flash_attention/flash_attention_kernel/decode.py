@@ -118,9 +118,17 @@ def _write_new_rows(KNew, VNew, K, V, first, last, cache_seqlen, capacity, batch
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_new", "capacity", "cache_seqlen", "num_splits"])
 def _decode_kernel(
-    Q, K, V, KNew, VNew, Out, Lse, cache_metadata, paging, rotary,
-    q_strides, k_strides, v_strides, k_new_strides, v_new_strides, out_strides, lse_strides,
-    seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, option_args,
+    Q, K, V, KNew, VNew, Out, Lse, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, stride_table, cache_entries,
+    Cos, Sin, stride_cos, seqlen_ro,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
+    stride_os, stride_ob, stride_om, stride_oh,
+    stride_ls, stride_lb, stride_lh,
+    seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, DIM_A: tl.constexpr,
     DIM_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr,
     PRECISION: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQLENS_PER_BATCH: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
@@ -130,30 +138,7 @@ def _decode_kernel(
     """Rows of BLOCK_M (query, head) pairs of one KV head x one split of its keys (module
     docstring). Out / Lse are the output and lse, or with SPLIT the per-split buffers
     (splits, batch, seqlen_q, heads, dim) fp32 and (splits, batch, heads, seqlen_q). With HAS_NEW,
-    KNew / VNew (batch, seqlen_new, heads_k, dim) are first written into the caches.
-
-    Grouped arguments (tuples; docs/design.md#kernel-signatures):
-    * cache_metadata: (CacheSeqlens, CacheBatchIdx, CacheLeftpad), int32 per batch entry (each read
-      only under its constexpr: SEQLENS_PER_BATCH, HAS_BATCH_IDX, HAS_LEFTPAD);
-    * paging: (BlockTable, stride_table, cache_entries): the block table (read with PAGE_SIZE > 0)
-      and the cache's entries, pages or batch rows, which clamp its entries and cache_batch_idx's;
-    * rotary: (Cos, Sin, stride_cos, seqlen_ro), the rotary tables (read with ROTARY_DIM > 0);
-    * q_strides, k_strides, v_strides, k_new_strides, v_new_strides: (batch or page, row, head)
-      strides of Q, K, V, KNew, VNew; out_strides: (split, batch, row, head) of Out; lse_strides:
-      (split, batch, head) of Lse (row stride 1); a split stride is 0 without SPLIT;
-    * option_args: the options, as ``options.AttentionOptions.kernel_args`` gives them."""
-    CacheSeqlens, CacheBatchIdx, CacheLeftpad = cache_metadata
-    BlockTable, stride_table, cache_entries = paging
-    Cos, Sin, stride_cos, seqlen_ro = rotary
-    stride_qb, stride_qm, stride_qh = q_strides
-    stride_kb, stride_kn, stride_kh = k_strides
-    stride_vb, stride_vn, stride_vh = v_strides
-    stride_knb, stride_knn, stride_knh = k_new_strides
-    stride_vnb, stride_vnn, stride_vnh = v_new_strides
-    stride_os, stride_ob, stride_om, stride_oh = out_strides
-    stride_ls, stride_lb, stride_lh = lse_strides
-    (AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
-     dropout_threshold, dropout_scale) = option_args
+    KNew / VNew (batch, seqlen_new, heads_k, dim) are first written into the caches."""
     split = tl.program_id(0) % num_splits
     start_r = (tl.program_id(0) // num_splits) * BLOCK_M
     kv_head = tl.program_id(1)
@@ -391,14 +376,17 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
         rotary_args = (rotary_cos, rotary_sin, rotary_cos.stride(0), rotary_cos.shape[0])
     else:
         rotary_args = (stand_in, stand_in, 0, 0)
-    paging = (block_table, block_table.stride(0), k_cache.shape[0]) if page_size else (stand_in, 0, k_cache.shape[0])
-    cache_metadata = tuple(x if x is not None else stand_in for x in (cache_seqlens, cache_batch_idx, cache_leftpad))
+    table_args = (block_table, block_table.stride(0), k_cache.shape[0]) if page_size else (stand_in, 0,
+                                                                                          k_cache.shape[0])
+    seqlens_arg = cache_seqlens if cache_seqlens is not None else stand_in
+    batch_idx_arg = cache_batch_idx if cache_batch_idx is not None else stand_in
+    k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
 
     if seqlen_new > 0:
         k_new, v_new = last_dim_contiguous(k_new), last_dim_contiguous(v_new)
-        new_args = k_new, v_new, k_new.stride()[:3], v_new.stride()[:3]
+        new_args = (k_new, v_new), (*k_new.stride()[:3], *v_new.stride()[:3])
     else:
-        new_args = stand_in, stand_in, (0, 0, 0), (0, 0, 0)
+        new_args = (stand_in, stand_in), (0,) * 6
 
     out = torch.empty_like(q)
     lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=device)
@@ -415,17 +403,18 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
         out_splits = torch.empty((num_splits, batch, seqlen_q, num_heads, head_dim), dtype=torch.float32,
                                  device=device)
         lse_splits = torch.empty((num_splits, batch, num_heads, seqlen_q), dtype=torch.float32, device=device)
-        targets = (out_splits, lse_splits, out_splits.stride()[:4], lse_splits.stride()[:3])
+        targets = (out_splits, lse_splits, *out_splits.stride()[:4], *lse_splits.stride()[:3])
     else:
-        targets = (out, lse, (0, *out.stride()[:3]), (0, *lse.stride()[:2]))
+        targets = (out, lse, 0, *out.stride()[:3], 0, *lse.stride()[:2])
     rows = seqlen_q * (num_heads // heads_k)
 
     def launch(config, specialized):
         keywords = setup.decode[split] if config is setup.config else {**setup.decode[split], **config.launch_args()}
         launcher(_decode_kernel, wrap_kernel)[(max(1, -(-rows // config.block_m)) * num_splits, heads_k, batch)](
-            q, k_cache, v_cache, *new_args[:2], *targets[:2], cache_metadata, paging, rotary_args,
-            q.stride()[:3], k_cache.stride()[:3], v_cache.stride()[:3], *new_args[2:], *targets[2:],
-            seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, options.kernel_args(q), **keywords,
+            q, k_cache, v_cache, *new_args[0], targets[0], targets[1], seqlens_arg, batch_idx_arg,
+            cache_leftpad if cache_leftpad is not None else stand_in, *table_args, *rotary_args,
+            *q.stride()[:3], *k_strides, *v_strides, *new_args[1], *targets[2:],
+            seqlen_q, seqlen_new, capacity, cache_seqlen, num_splits, *options.kernel_args(q), **keywords,
         )
 
     launch_fitting(refitted(setup.tl_launch), launch)

@@ -14,11 +14,7 @@ the value of each int the kernel specialises (Triton keeps whether it is 1 or a 
 and of every argument of another type, and the range of the other ints. A finer key only costs
 an extra lookup through JITFunction.run, so it can never launch a kernel compiled for other
 arguments. The key is built from getters made once per tuple of argument types, as it is built
-on every launch. A tuple argument (the kernels group strides, pointers and options so,
-docs/design.md#kernel-signatures) counts as its elements: its element types join the argument
-types, and its elements are keyed as arguments of their own, every int by value (Triton
-specialises a tuple's elements whatever do_not_specialize says). The compiled kernel's launcher
-takes the tuples as they are, as JITFunction.run passes them.
+on every launch.
 
 Direct launches are used only where they were checked: Triton versions in CHECKED_TRITON, eager
 calls (torch.compile traces wrap_triton's launches instead), compiled kernels (not the
@@ -64,8 +60,7 @@ class DirectKernel:
         self.specialized = [not p.do_not_specialize for p in runtime]
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         self.compiled = {}
-        self.flatteners = {}  # argument types -> _Flattener
-        self.kinds = {}  # argument shape (_Flattener) -> _ArgumentKinds
+        self.kinds = {}  # argument types -> _ArgumentKinds
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
@@ -73,16 +68,12 @@ class DirectKernel:
     def _launch(self, grid, *args, **keywords):
         device = torch.cuda.current_device()
         types = tuple(map(type, args))
-        flattener = self.flatteners.get(types)
-        if flattener is None:
-            flattener = self.flatteners[types] = _Flattener(types)
-        leaves, shape = flattener(args)
-        kinds = self.kinds.get(shape)
+        kinds = self.kinds.get(types)
         if kinds is None:
-            kinds = self.kinds[shape] = _ArgumentKinds(leaves, flattener.leaf_specialized(args, self.specialized))
-        tensors = kinds.tensors(leaves)
-        key = (device, shape, *keywords.values(), *kinds.by_value(leaves), *[x.dtype for x in tensors],
-               *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(leaves)])
+            kinds = self.kinds[types] = _ArgumentKinds(types, self.specialized)
+        tensors = kinds.tensors(args)
+        key = (device, types, *keywords.values(), *kinds.by_value(args), *[x.dtype for x in tensors],
+               *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(args)])
         entry = self.compiled.get(key)
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             compiled = self.kernel[grid](*args, **keywords)
@@ -94,46 +85,12 @@ class DirectKernel:
                      None, None, None, *args, *constexprs)
 
 
-class _Flattener:
-    """For one tuple of argument types: args -> (leaves, shape). The leaves are the arguments with
-    each tuple argument's elements in its place; the shape holds the argument types, the leaves'
-    types and each tuple's length, which fix how the leaves group into arguments. Built from an
-    itemgetter of slices (the plain arguments between tuples) and tuples, so a launch flattens in a
-    few C calls. One level: a tuple inside a tuple would stay a leaf, keyed by value (the kernels
-    pass none)."""
-
-    def __init__(self, types: tuple):
-        grouped = [i for i, kind in enumerate(types) if kind is tuple]
-        self.types = types
-        self.grouped = _getter(grouped)
-        pieces = []  # the runs of plain arguments between tuple arguments, as slices, and the tuples
-        for before, at in zip([-1, *grouped], [*grouped, len(types)]):
-            if at > before + 1:
-                pieces.append(slice(before + 1, at))
-            if at < len(types):
-                pieces.append(at)
-        self.pieces = _getter(pieces) if grouped else None
-
-    def __call__(self, args: tuple):
-        if self.pieces is None:
-            return args, self.types
-        leaves = sum(self.pieces(args), ())
-        return leaves, (self.types, tuple(map(type, leaves)), tuple(map(len, self.grouped(args))))
-
-    def leaf_specialized(self, args: tuple, specialized: list) -> list:
-        """Whether Triton specialises each leaf: as its argument says, or always for a tuple's."""
-        return [special for arg, kind, special in zip(args, self.types, specialized)
-                for special in ((True,) * len(arg) if kind is tuple else (special,))]
-
-
 class _ArgumentKinds:
-    """For one shape of the arguments' leaves (``_Flattener``): getters of the tensors (keyed by
-    dtype and alignment), of the ints the kernel specialises and the leaves of other types (keyed by
-    value: finer than Triton's facts about them), and of the ints it does not (keyed by range)."""
+    """For one tuple of argument types: getters of the tensors (keyed by dtype and alignment), of
+    the ints the kernel specialises and the arguments of other types (keyed by value: finer than
+    Triton's facts about them), and of the ints it does not (keyed by range)."""
 
-    def __init__(self, leaves: tuple, specialized: list):
-        types = list(map(type, leaves))
-
+    def __init__(self, types: tuple, specialized: list):
         def positions(wanted):
             return [i for i, (kind, special) in enumerate(zip(types, specialized)) if wanted(kind, special)]
 
@@ -144,8 +101,8 @@ class _ArgumentKinds:
 
 
 def _getter(positions: list):
-    """args -> the tuple of args at ``positions``, ints or slices (operator.itemgetter, which returns
-    a bare item for one position)."""
+    """args -> the tuple of args at ``positions`` (operator.itemgetter, which returns a bare item
+    for one position)."""
     if not positions:
         return lambda args: ()
     if len(positions) == 1:

@@ -133,34 +133,24 @@ def forward_key_loop(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, cu_seqlens, total_q, total_k, paging,
-    q_strides, k_strides, v_strides, out_strides, lse_strides, seqlen_q, seqlen_k, option_args,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, total_q, total_k, BlockTable, stride_table, num_pages,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """Grouped arguments (tuples, unpacked below; docs/design.md#kernel-signatures):
-
-    * q_strides, k_strides, v_strides, out_strides: (batch, head, row) strides of Q, K, V, Out
-      (launch.SequenceLayout.strides / kv_strides); lse_strides: (batch, head) of Lse, whose row
-      stride is 1.
-    * cu_seqlens: (CuSeqlensQ, CuSeqlensK), None for dense inputs. total_q / total_k: the rows of
-      varlen Q / K that cu_seqlens may address (tiles.sequence_span).
-    * paging: (BlockTable, stride_table, num_pages). With PAGE_SIZE > 0, K and V are paged caches
-      (pages, PAGE_SIZE, heads_k, head_dim), k_strides[0] and v_strides[0] their page strides,
-      sequence b's key rows listed by row b of BlockTable (varlen), its key count capped at seqlen_k
-      (max_seqlen_k, which the table's columns cover).
-    * option_args: the options, as ``options.AttentionOptions.kernel_args`` gives them."""
-    stride_qb, stride_qh, stride_qm = q_strides
-    stride_kb, stride_kh, stride_kn = k_strides
-    stride_vb, stride_vh, stride_vn = v_strides
-    stride_ob, stride_oh, stride_om = out_strides
-    stride_lse_b, stride_lse_h = lse_strides
-    CuSeqlensQ, CuSeqlensK = cu_seqlens
-    BlockTable, stride_table, num_pages = paging
-    (AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
-     dropout_threshold, dropout_scale) = option_args
+    """PAGE_SIZE > 0: K and V are paged caches (pages, PAGE_SIZE, heads_k, head_dim), stride_kb and
+    stride_vb their page strides, sequence b's key rows listed by row b of BlockTable (varlen), its
+    key count capped at seqlen_k (max_seqlen_k, which the table's columns cover). total_q /
+    total_k: the rows of varlen Q / K that cu_seqlens may address (tiles.sequence_span)."""
     start_m = query_tile_start(BLOCK_M, VARIANT)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -259,9 +249,9 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
 
     def launch(config, specialized):
         wrap_kernel(_attn_fwd_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, v, out, lse, *layout.cu_seqlens(q, k), layout.paging(k),
-            layout.strides(q), layout.kv_strides(k), layout.kv_strides(v), layout.strides(out),
-            layout.stat_strides(lse), *layout.seqlens(), options.kernel_args(q),
+            q, k, v, out, lse, *layout.cu_seqlens(q, k), *layout.paging(k),
+            *layout.strides(q), *layout.kv_strides(k), *layout.kv_strides(v), *layout.strides(out),
+            *layout.stat_strides(lse), *layout.seqlens(), *options.kernel_args(q),
             GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
             VARIANT=kernel_variant(options, q.dtype, interpreted, forward=True, max_keys=layout.seqlen_k),
             IS_VARLEN=layout.is_varlen,

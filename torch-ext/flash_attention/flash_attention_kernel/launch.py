@@ -410,13 +410,13 @@ class SequenceLayout:
         return (0, stride[0]) if self.is_varlen else stride[:2]
 
     def cu_seqlens(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
-        """cu_seqlens, total_q, total_k kernel arguments: the pair (CuSeqlensQ, CuSeqlensK) (None for
-        dense inputs) and the rows of q and k they may address (``tiles.sequence_span`` clamps each
+        """CuSeqlensQ, CuSeqlensK, total_q, total_k kernel arguments: the cu_seqlens (None for dense
+        inputs) and the rows of q and k they may address (``tiles.sequence_span`` clamps each
         sequence into them; 0 when dense). A paged k has no rows to bound: its cu_seqlens counts
         keys, which the forward kernel caps at max_seqlen_k instead."""
         if not self.is_varlen:
-            return (None, None), 0, 0
-        return (self.cu_seqlens_q, self.cu_seqlens_k), q.shape[0], INT32_MAX if self.page_size else k.shape[0]
+            return None, None, 0, 0
+        return self.cu_seqlens_q, self.cu_seqlens_k, q.shape[0], INT32_MAX if self.page_size else k.shape[0]
 
     def seqlens(self) -> tuple:
         """seqlen_q, seqlen_k kernel arguments: the lengths, or the longest ones for varlen."""

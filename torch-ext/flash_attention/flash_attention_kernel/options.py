@@ -8,7 +8,7 @@ RNG state). Along the way it
   options first (``tensors``: what the autograd context saves for the backward), then scalars;
 * tells the config table which kind of masking a call has (``mask_kind``);
 * gives the launchers their constexpr (``variant``, the bit set of ``scores.py``) and their
-  kernel arguments (``kernel_args``): the tuple every tl kernel takes as its ``option_args``.
+  kernel arguments (``kernel_args``), in the order every kernel declares them.
 
 Semantics are flash-attn 2.8's; ``scores.py`` documents how the kernels apply them.
 
@@ -112,7 +112,7 @@ class AttentionOptions:
 
     def kernel_args(self, stand_in: torch.Tensor) -> tuple:
         """(AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left,
-        window_right, dropout_threshold, dropout_scale), every tl kernel's ``option_args``; ``stand_in``
+        window_right, dropout_threshold, dropout_scale), as every kernel takes them; ``stand_in``
         (q) fills unused pointers (never read). For fp32 q the scale and the softcap are natural,
         without the factor log2(e) (scores.FP32_EXACT)."""
         left, right = (min(bound, MAX_WINDOW) for bound in self.window)  # (int32 arithmetic in the kernels)

@@ -27,23 +27,18 @@ from .tiles import load_row_stat, load_tile, mma_over_head, sequence_span, tile_
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_probs_kernel(
-    Q, K, Lse, Probs, cu_seqlens, total_q, total_k, q_strides, k_strides, stat_strides, probs_strides,
-    seqlen_q, seqlen_k, option_args,
+    Q, K, Lse, Probs, CuSeqlensQ, CuSeqlensK, total_q, total_k,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_stat_b, stride_stat_h,
+    stride_pb, stride_ph, stride_pm,
+    seqlen_q, seqlen_k,
+    AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
+    dropout_threshold, dropout_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Grouped arguments (tuples; docs/design.md#kernel-signatures): q_strides, k_strides: (batch,
-    head, row) strides of Q, K; stat_strides: (batch, head) of Lse (row stride 1); probs_strides:
-    (batch, head, row) of Probs; cu_seqlens: (CuSeqlensQ, CuSeqlensK), None for dense inputs;
-    option_args: the options, as ``options.AttentionOptions.kernel_args`` gives them."""
-    stride_qb, stride_qh, stride_qm = q_strides
-    stride_kb, stride_kh, stride_kn = k_strides
-    stride_stat_b, stride_stat_h = stat_strides
-    stride_pb, stride_ph, stride_pm = probs_strides
-    CuSeqlensQ, CuSeqlensK = cu_seqlens
-    (AlibiSlopes, stride_alibi_b, Sinks, RngState, score_scale, softcap_log2, window_left, window_right,
-     dropout_threshold, dropout_scale) = option_args
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -99,8 +94,9 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
 
     def launch(config, _specialized):
         wrap_kernel(_attn_probs_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
-            q, k, lse, probs, *layout.cu_seqlens(q, k), layout.strides(q), layout.strides(k), layout.stat_strides(lse),
-            probs.stride()[:3], *layout.seqlens(), options.kernel_args(q),
+            q, k, lse, probs, *layout.cu_seqlens(q, k),
+            *layout.strides(q), *layout.strides(k), *layout.stat_strides(lse), *probs.stride()[:3],
+            *layout.seqlens(), *options.kernel_args(q),
             GROUP_SIZE=num_heads // k.shape[-2], HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
             VARIANT=kernel_variant(options, q.dtype, interpreted), IS_VARLEN=layout.is_varlen,
             PRECISION=precision_mode(q.dtype, interpreted), **config.launch_args(),

@@ -31,19 +31,16 @@ from .tiles import load_rows, round_to, sequence_span
 
 @triton.jit(do_not_specialize=["seqlen", "seqlen_ro", "offset", "total_rows"])
 def _rotary_kernel(
-    X, Out, Cos, Sin, Offsets, CuSeqlens, total_rows, x_strides, out_strides, table_strides,
+    X, Out, Cos, Sin, Offsets, CuSeqlens, total_rows,
+    stride_xb, stride_xm, stride_xh,
+    stride_ob, stride_om, stride_oh,
+    stride_cos, stride_sin,
     seqlen, num_heads, seqlen_ro, offset,
     HALF: tl.constexpr, HALF_PADDED: tl.constexpr, TAIL: tl.constexpr, TAIL_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     OFFSETS_PER_SEQUENCE: tl.constexpr, COPY_TAIL: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """BLOCK_M rows x BLOCK_H heads of one sequence (module docstring). Grouped arguments (tuples;
-    docs/design.md#kernel-signatures): x_strides, out_strides: (batch, row, head) strides of X and
-    Out (batch 0 for varlen); table_strides: the row strides of Cos and Sin."""
-    stride_xb, stride_xm, stride_xh = x_strides
-    stride_ob, stride_om, stride_oh = out_strides
-    stride_cos, stride_sin = table_strides
     start_m = tl.program_id(0) * BLOCK_M
     head_start = tl.program_id(1) * BLOCK_H
     batch = tl.program_id(2)
@@ -168,7 +165,7 @@ def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen: int
     wrap_kernel(_rotary_kernel)[grid](
         x, out, cos, sin, seqlen_offsets if per_sequence else stand_in,
         cu_seqlens if cu_seqlens is not None else stand_in, x.shape[0] if cu_seqlens is not None else 0,
-        strides_x, strides_out, (cos.stride(0), sin.stride(0)),
+        *strides_x, *strides_out, cos.stride(0), sin.stride(0),
         seqlen, num_heads, cos.shape[0], 0 if per_sequence else int(seqlen_offsets),
         HALF=half, HALF_PADDED=triton.next_power_of_2(half), TAIL=tail,
         TAIL_PADDED=triton.next_power_of_2(max(tail, 1)), BLOCK_M=block_m, BLOCK_H=block_h,
