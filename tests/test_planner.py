@@ -9,6 +9,8 @@ depths the Gluon modules used to hold, and that the backward plans no tl launch 
 kernel runs. The override hook (configs.set_override, planner.override) must force each choice.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -240,7 +242,7 @@ def test_gluon_launchers_take_their_config(kernels, head_dim, window):
     launch_functions = {kernel: kernels.hopper_route.launcher(kernel) for kernel in names}
     if not all(launch_functions.values()):
         pytest.skip("this Triton's Gluon cannot build the Hopper kernels (hopper_route warned)")
-    launches = {}
+    launches, scales = {}, {}
 
     class Recorder:
         def __init__(self, kernel):
@@ -250,6 +252,7 @@ def test_gluon_launchers_take_their_config(kernels, head_dim, window):
             def launch(*args, **constexprs):
                 launches[self.kernel] = (grid, [list(getattr(a, "block_shape", [])) for a in args[:4]],
                                          constexprs.get("KEYS"), constexprs["STAGES"])
+                scales[self.kernel] = [a for a in args if isinstance(a, float)]
             return launch
 
     module_objects = {kernel: sys.modules[function.__module__] for kernel, function in launch_functions.items()}
@@ -276,3 +279,7 @@ def test_gluon_launchers_take_their_config(kernels, head_dim, window):
                                GLUON_STAGES["fwd", d])
     assert launches["bwd_dq"] == ((programs, heads, batch), [[64, d]] * 4, 64, GLUON_STAGES["bwd_dq", d])
     assert launches["bwd_dkdv"] == ((programs, heads_kv, batch), [[64, d]] * 4, None, window_dkdv)
+    # the logits' units of these 2-byte kernels: q.k * softmax_scale * log2(e) (an fp32 stand-in for
+    # the options' pointers once gave kernel_args' natural fp32 units: every Gluon result wrong on an H100)
+    for kernel in names:
+        assert scales[kernel][0] == pytest.approx(head_dim ** -0.5 * math.log2(math.e), rel=1e-12), scales[kernel]

@@ -65,7 +65,7 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [TensorDescriptor(x, [x.numel()], [1], [rows], STAT_LAYOUT)
              for x in (_tma_vector(lse), _tma_vector(delta))]
-    arguments, constexprs = option_arguments(options, lse)
+    arguments, constexprs = option_arguments(options, q)
     _dkdv_kernel[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),

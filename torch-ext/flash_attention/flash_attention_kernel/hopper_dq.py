@@ -61,7 +61,7 @@ def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layou
     The kernel launches directly, not through torch.library.wrap_triton: the route keeps traced
     calls on the tl kernels."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    arguments, constexprs = option_arguments(options, lse)
+    arguments, constexprs = option_arguments(options, q)
     rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)
     _dq_kernel[(seqlen_q // config.query_tile, num_heads, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),

@@ -70,7 +70,7 @@ def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: Sequ
     call the planner gave this kernel, with its ``config`` (planner.plan_forward). Launched
     directly, not through torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    arguments, constexprs = option_arguments(options, lse)
+    arguments, constexprs = option_arguments(options, q)
     constexprs["VARIANT"] |= forward_bits(options, q.dtype)
     sinks = lse if options.sinks is None else options.sinks
     rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)

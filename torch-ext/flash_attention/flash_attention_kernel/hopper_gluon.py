@@ -68,7 +68,9 @@ def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple
     values, as the tl kernels take them. Arguments: score_scale, softcap_log2 (the logit in base 2
     is q.k * score_scale, or under a softcap softcap_log2 * tanh(q.k * score_scale): scores.logits'
     units), softmax_scale, window_left, window_right, AlibiSlopes, stride_alibi_b, RngState,
-    dropout_threshold, dropout_scale (``stand_in`` fills unused pointers). Constexprs: VARIANT
+    dropout_threshold, dropout_scale. ``stand_in`` is q, as for the tl kernels: it fills unused
+    pointers, and its dtype sets the units (kernel_args gives fp32 inputs natural units; an fp32
+    stand-in such as the lse would hand these 2-byte kernels logits without log2(e)). Constexprs: VARIANT
     (KERNEL_BITS of the options' bit set) and ALIBI_ABS (ALiBi with visible pairs above the
     diagonal, where its distance needs an absolute value)."""
     slopes, stride_alibi_b, _, rng_state, score_scale, softcap_log2, left, right, dropout_threshold, dropout_scale = \
