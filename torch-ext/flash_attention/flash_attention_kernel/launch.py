@@ -66,9 +66,10 @@ WARP_SPECIALIZABLE = SOFTCAP | ALIBI | SINKS
 
 @dataclass(frozen=True)
 class TlLaunch:
-    """How one tl kernel (fwd, bwd_dkdv, bwd_dq, probs, decode) launches: its tile config, whether its loop is
-    warp-specialised, whether it reads through tensor descriptors, and ``fit_key``, under which
-    launch_fitting remembers a smaller config where this one did not fit the GPU."""
+    """How one tl kernel (fwd, bwd_dkdv, bwd_dq, probs, decode) launches: its tile config,
+    whether its loop is warp-specialised, whether it reads through tensor descriptors, and
+    ``fit_key``, under which launch_fitting remembers a smaller config where this one did not fit
+    the GPU."""
 
     kernel: str
     config: TileConfig
@@ -78,7 +79,7 @@ class TlLaunch:
 
 
 def tl_launch(kernel: str, head_dim: int, dtype: torch.dtype, options: AttentionOptions, layout: "SequenceLayout",
-                interpreted: bool, *tensors: torch.Tensor) -> TlLaunch:
+              interpreted: bool, *tensors: torch.Tensor) -> TlLaunch:
     """The TlLaunch of one launch of ``kernel``: the table's warp-specialised entry where the
     call can take it (``warp_specialize``), else its plain entry, for the class of the GPU that
     holds ``tensors`` (``device_gpu_class``), unless an earlier launch found it too big there.
@@ -111,12 +112,12 @@ _FITTED: dict = {}
 
 
 def fixed_tl_launch(kernel: str, config: TileConfig, head_dim: int, dtype: torch.dtype, variant: int,
-                      device: torch.device) -> TlLaunch:
+                    device: torch.device) -> TlLaunch:
     """The TlLaunch of a kernel outside the config table, whose launcher chose ``config``
     itself (the probabilities and KV-cache kernels), for options of constexpr ``variant``, so that
     launch_fitting steps it down where it does not fit."""
     return refitted(TlLaunch(kernel, config, False, False, (device, kernel, int(head_dim), dtype, variant, config,
-                                                               False)))
+                                                             False)))
 
 
 def refitted(tl_launch: TlLaunch) -> TlLaunch:
