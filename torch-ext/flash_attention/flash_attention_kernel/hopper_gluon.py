@@ -126,9 +126,11 @@ class Ring:
     def claim(self, i, nbytes):
         """(The producer) wait until the i-th tile's buffer is free (a fresh barrier passes parity
         1), announce ``nbytes`` on its "ready" barrier and return that barrier for the loads."""
-        mbarrier.wait(self.empty.index(i % self.STAGES), ((i // self.STAGES) & 1) ^ 1)
-        mbarrier.expect(self.ready.index(i % self.STAGES), nbytes)
-        return self.ready.index(i % self.STAGES)
+        buffer = i % self.STAGES
+        mbarrier.wait(self.empty.index(buffer), ((i // self.STAGES) & 1) ^ 1)
+        arrived = self.ready.index(buffer)
+        mbarrier.expect(arrived, nbytes)
+        return arrived
 
 
 @gluon.jit
