@@ -65,13 +65,19 @@ def install(version: str) -> Path:
     return target
 
 
-def checks_for(version: str, asked: list) -> list:
-    """The checks asked for that this version supports (the interpreter needs INTERPRETER_FROM)."""
+def interpreter_runs(version: str) -> bool:
+    """Whether Triton ``version``'s CPU interpreter runs these kernels beside this process's NumPy
+    (INTERPRETER_FROM; INTERPRETER_UNDER_NUMPY_2_4_FROM beside NumPy 2.4 or newer). tests/test_fuzz.py
+    asks it too."""
     import numpy
     release = tuple(int(part) for part in version.split(".")[:2])
     numpy_2_4 = tuple(int(part) for part in numpy.__version__.split(".")[:2]) >= (2, 4)
-    interpreter = release >= (INTERPRETER_UNDER_NUMPY_2_4_FROM if numpy_2_4 else INTERPRETER_FROM)
-    return [check for check in asked if check != "run" or interpreter]
+    return release >= (INTERPRETER_UNDER_NUMPY_2_4_FROM if numpy_2_4 else INTERPRETER_FROM)
+
+
+def checks_for(version: str, asked: list) -> list:
+    """The checks asked for that this version supports (the run needs ``interpreter_runs``)."""
+    return [check for check in asked if check != "run" or interpreter_runs(version)]
 
 
 def run_check(check: str, version: str, target: Path) -> bool:

@@ -45,24 +45,14 @@ ENTRIES = ["dense", "kvpacked", "qkvpacked", "varlen", "kvcache", "paged_kvcache
 # the pytest side: one subprocess per chunk
 
 
-def _interpreter_refused():
-    """Why this process's Triton interpreter cannot run the kernels here, or None: before Triton
-    3.7 it reads a loop bound computed from scalars with int() of a one-element array, which NumPy
-    2.4 refuses (TypeError: only 0-dimensional arrays can be converted to Python scalars; 3.7
-    squeezes first). Seen on the GPU hosts (torch 2.11's Triton 3.6) and here with 3.6 on PYTHONPATH."""
-    import numpy
-    import triton
-    triton_version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    numpy_version = tuple(int(part) for part in numpy.__version__.split(".")[:2])
-    if triton_version < (3, 7) and numpy_version >= (2, 4):
-        return f"Triton {triton.__version__}'s interpreter cannot run under NumPy {numpy.__version__} (3.7 can)"
-    return None
-
-
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_fuzz(build_dir, chunk):
-    if _interpreter_refused():
-        pytest.skip(_interpreter_refused())
+    import numpy
+    import triton
+    from triton_matrix import interpreter_runs  # (scripts/, on sys.path from conftest)
+    if not interpreter_runs(triton.__version__):  # (3.6's takes int() of one-element arrays: NumPy 2.4 refuses)
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels beside NumPy "
+                    f"{numpy.__version__}")
     first, last = chunk * CASES // CHUNKS, (chunk + 1) * CASES // CHUNKS
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     command = [sys.executable, __file__, str(build_dir), str(first), str(last)]
