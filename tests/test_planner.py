@@ -28,10 +28,13 @@ OPTIONS = [dict(), dict(causal=True), dict(window_left=5, window_right=3), dict(
 
 @pytest.fixture
 def kernels(fa):
+    """The kernel package, its plan cache empty (tests here replace what plans are made from)."""
     kernels = fa.flash_attention_kernel
+    kernels.planner._PLANS.clear()
     yield kernels
     for kernel in list(kernels.configs.OVERRIDES):
         kernels.configs.set_override(kernel, None)
+    kernels.planner._PLANS.clear()
 
 
 def _call(kernels, dtype, head_dim, seqlen_q=32, seqlen_k=48, varlen=False, **options):
@@ -283,3 +286,38 @@ def test_gluon_launchers_take_their_config(kernels, head_dim, window):
     # the options' pointers once gave kernel_args' natural fp32 units: every Gluon result wrong on an H100)
     for kernel in names:
         assert scales[kernel][0] == pytest.approx(head_dim ** -0.5 * math.log2(math.e), rel=1e-12), scales[kernel]
+
+
+def test_plans_are_cached_by_the_calls_signature(kernels, monkeypatch):
+    """An eager call's plan is made once per signature (planner.plan_key) and found again; a call
+    that differs in any fact a plan reads (a shape, the options, a tensor's alignment, an
+    environment switch) is planned afresh; an override empties the cache; fake tensors (traced
+    calls) are never cached."""
+    planner = kernels.planner
+    made = []
+    monkeypatch.setattr(planner, "tl_launch", lambda kernel, *args: made.append(kernel) or kernels.launch.TlLaunch(
+        kernel, kernels.configs.TileConfig(16, 16, 1, 1), False, False))
+    attention, layout, q, k, v, dout = _call(kernels, BF16, 64, 32, 48)
+    first = planner.plan_forward(attention, layout, True, q, k, v)
+    assert planner.plan_forward(attention, layout, True, q.clone(), k.clone(), v.clone()) is first
+    assert planner.plan_backward(attention, layout, True, q, k, v, dout) is planner.plan_backward(
+        attention, layout, True, q, k, v, dout)
+    assert made == ["fwd", "bwd_dq", "bwd_dkdv"]
+    causal = kernels.AttentionOptions(attention.softmax_scale, True)
+    planner.plan_forward(causal, layout, True, q, k, v)
+    misaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
+    planner.plan_forward(attention, layout, True, misaligned, k, v)
+    monkeypatch.setenv("FLASH_ATTENTION_TMA", "0")
+    planner.plan_forward(attention, layout, True, q, k, v)
+    assert made[3:] == ["fwd", "fwd", "fwd"]
+    monkeypatch.delenv("FLASH_ATTENTION_TMA")
+    assert planner.plan_forward(attention, layout, True, q, k, v) is first
+    with planner.override("fwd", implementation="tl"):
+        planner.plan_forward(attention, layout, True, q, k, v)
+    assert planner.plan_forward(attention, layout, True, q, k, v) is not first
+    assert made[6:] == ["fwd", "fwd"]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in (q, k, v)]
+        assert planner.plan_key("fwd", attention, layout, True, fakes) is None

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .configs import head_dim_chunks
+from .direct_launch import launcher
 from .forward import reciprocal
 from .launch import (
     SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
@@ -471,7 +472,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     delta_in_dq = plan.delta_source in (DELTA_IN_DQ, DELTA_FP32_PASS)
 
     def launch_dq(config, specialized):
-        wrap_kernel(_attn_bwd_dq_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
+        launcher(_attn_bwd_dq_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
             q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
@@ -480,7 +481,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         )
 
     def launch_dkdv(config, specialized):
-        wrap_kernel(_attn_bwd_dkdv_kernel)[(triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)](
+        launcher(_attn_bwd_dkdv_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)](
             q, k, v, dout, lse, delta, row_scale, dk, dv, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
             *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
@@ -492,7 +493,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         launch_fitting(plan.dq.tl, launch_dq)
     else:
         pre_block = 64 if not interpreted else 32
-        wrap_kernel(_attn_bwd_preprocess_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
+        launcher(_attn_bwd_preprocess_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
             out, dout, dlse, delta, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[2],
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
@@ -543,7 +544,7 @@ def _sink_grad(options: AttentionOptions, lse, delta, wrap_kernel, row_scale=Non
         stride_b, stride_h, num_batches, num_rows = 0, lse.stride(0), 1, lse.shape[1]
     else:
         stride_b, stride_h, num_batches, num_rows = lse.stride(0), lse.stride(1), lse.shape[0], lse.shape[2]
-    wrap_kernel(_sink_grad_kernel)[(dsinks.numel(),)](
+    launcher(_sink_grad_kernel, wrap_kernel)[(dsinks.numel(),)](
         lse, delta, delta if row_scale is None else row_scale, options.sinks, dsinks, stride_b, stride_h, num_batches,
         num_rows, BLOCK=256, SCALED=row_scale is not None)
     return dsinks

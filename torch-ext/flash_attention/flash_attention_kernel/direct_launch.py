@@ -11,14 +11,17 @@ the CompiledKernel it returns, and calls that kernel's launcher directly from th
 holds every fact Triton specialises a launch on, or finer ones: the current device, the
 constexpr and launch keywords, the arguments' types, each tensor's dtype and 16-byte alignment,
 the value of each int the kernel specialises (Triton keeps whether it is 1 or a multiple of 16)
-and of every argument of another type, and the range of the other ints. A finer key only costs
+and of every argument of another type, the range of the other ints, and of each host tensor
+descriptor (the Gluon kernels' TMA descriptors) its tensor's dtype and alignment, its shape,
+strides, block shape, shared layout and padding. A finer key only costs
 an extra lookup through JITFunction.run, so it can never launch a kernel compiled for other
 arguments. The key is built from getters made once per tuple of argument types, as it is built
 on every launch.
 
-Direct launches are used only where they were checked: Triton versions in CHECKED_TRITON, eager
-calls (torch.compile traces wrap_triton's launches instead), compiled kernels (not the
-interpreter), and no launch hooks (a profiler sets them; JITFunction.run then calls them).
+Every kernel of the package launches through ``launcher``: tl and Gluon kernels alike. Direct
+launches are used only where they were checked: Triton versions in CHECKED_TRITON, eager calls
+(torch.compile traces wrap_triton's launches instead), compiled kernels (not the interpreter),
+and no launch hooks (a profiler sets them; JITFunction.run then calls them).
 FLASH_ATTENTION_DIRECT_LAUNCH=0 turns them off.
 """
 
@@ -28,6 +31,7 @@ import os
 
 import torch
 import triton
+from triton.runtime.jit import JITFunction
 
 try:
     from triton import knobs
@@ -58,7 +62,8 @@ class DirectKernel:
         if params[:len(runtime)] != runtime:
             raise ValueError(f"{kernel.__name__}: constexpr parameters must follow the runtime ones")
         self.specialized = [not p.do_not_specialize for p in runtime]
-        self.constexpr_names = [p.name for p in params if p.is_constexpr]
+        # (name, default) of each constexpr parameter, for the values a launch leaves to their defaults
+        self.constexprs = [(p.name, p.default) for p in params if p.is_constexpr]
         self.compiled = {}
         self.kinds = {}  # argument types -> _ArgumentKinds
 
@@ -73,11 +78,12 @@ class DirectKernel:
             kinds = self.kinds[types] = _ArgumentKinds(types, self.specialized)
         tensors = kinds.tensors(args)
         key = (device, types, *keywords.values(), *kinds.by_value(args), *[x.dtype for x in tensors],
-               *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(args)])
+               *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(args)],
+               *[_descriptor_key(x) for x in kinds.descriptors(args)])
         entry = self.compiled.get(key)
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             compiled = self.kernel[grid](*args, **keywords)
-            self.compiled[key] = compiled, tuple(keywords[name] for name in self.constexpr_names)
+            self.compiled[key] = compiled, tuple(keywords.get(name, default) for name, default in self.constexprs)
             return
         compiled, constexprs = entry
         grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -87,17 +93,36 @@ class DirectKernel:
 
 class _ArgumentKinds:
     """For one tuple of argument types: getters of the tensors (keyed by dtype and alignment), of
-    the ints the kernel specialises and the arguments of other types (keyed by value: finer than
-    Triton's facts about them), and of the ints it does not (keyed by range)."""
+    the host tensor descriptors (``_descriptor_key``), of the ints the kernel specialises and the
+    arguments of other types (keyed by value: finer than Triton's facts about them), and of the
+    ints it does not (keyed by range)."""
 
     def __init__(self, types: tuple, specialized: list):
         def positions(wanted):
             return [i for i, (kind, special) in enumerate(zip(types, specialized)) if wanted(kind, special)]
 
         tensors = positions(lambda kind, special: issubclass(kind, torch.Tensor))
+        descriptors = positions(lambda kind, special: _is_descriptor(kind))
         by_range = positions(lambda kind, special: issubclass(kind, int) and kind is not bool and not special)
-        by_value = sorted(set(range(len(types))) - set(tensors) - set(by_range))
-        self.tensors, self.by_value, self.by_range = (_getter(p) for p in (tensors, by_value, by_range))
+        by_value = sorted(set(range(len(types))) - set(tensors) - set(descriptors) - set(by_range))
+        self.tensors, self.descriptors, self.by_value, self.by_range = (
+            _getter(p) for p in (tensors, descriptors, by_value, by_range))
+
+
+def _is_descriptor(kind) -> bool:
+    """Whether arguments of type ``kind`` are host tensor descriptors (Triton's and Gluon's
+    TensorDescriptor classes: a base tensor, a shape, strides and a block shape)."""
+    return kind.__name__ == "TensorDescriptor" and all(
+        name in getattr(kind, "__dataclass_fields__", ()) for name in ("base", "shape", "strides", "block_shape"))
+
+
+def _descriptor_key(descriptor) -> tuple:
+    """What a launch may specialise on of a host tensor descriptor, or finer: its tensor's dtype
+    and alignment, its shape, strides and block shape, and (Gluon's) shared layout and padding."""
+    base = descriptor.base
+    return (base.dtype, base.data_ptr() % 16 == 0, tuple(descriptor.shape), tuple(descriptor.strides),
+            tuple(descriptor.block_shape), getattr(descriptor, "layout", None), getattr(descriptor, "padding", None),
+            getattr(descriptor, "round_f32_to_tf32", None))
 
 
 def _getter(positions: list):
@@ -116,9 +141,11 @@ def _direct(kernel) -> DirectKernel:
 
 
 def launcher(kernel, wrap_kernel=identity_wrap):
-    """What to launch ``kernel`` through: its DirectKernel for eager launches where direct
-    launches are checked (module docstring), else ``wrap_kernel(kernel)``."""
-    if (wrap_kernel is not identity_wrap or is_interpreted(kernel) or not triton.__version__.startswith(CHECKED_TRITON)
+    """What to launch ``kernel`` through: its DirectKernel for eager launches of a compiled
+    Triton or Gluon kernel where direct launches are checked (module docstring), else
+    ``wrap_kernel(kernel)`` (a traced launch, the interpreter, a test's stand-in)."""
+    if (wrap_kernel is not identity_wrap or not isinstance(kernel, JITFunction) or is_interpreted(kernel)
+            or not triton.__version__.startswith(CHECKED_TRITON)
             or os.environ.get("FLASH_ATTENTION_DIRECT_LAUNCH", "1") == "0"):
         return wrap_kernel(kernel)
     return _direct(kernel)

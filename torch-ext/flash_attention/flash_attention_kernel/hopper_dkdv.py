@@ -40,6 +40,7 @@ from .hopper_gluon import (
     release_unread, make_ring, tile_arguments, tile_logits, tile_logits_grad, tma_load,
 )
 from .configs import GLUON_TILES, GluonConfig
+from .direct_launch import launcher
 from .launch import SequenceLayout
 from .options import AttentionOptions
 
@@ -66,7 +67,7 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     stats = [TensorDescriptor(x, [x.numel()], [1], [rows], STAT_LAYOUT)
              for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
-    _dkdv_kernel[(seqlen_k // config.key_tile, num_heads_kv, batch)](
+    launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
         layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,

@@ -43,6 +43,7 @@ from .hopper_gluon import (
     tile_logits_grad, tma_load,
 )
 from .configs import GLUON_TILES, GluonConfig
+from .direct_launch import launcher
 from .launch import SequenceLayout
 from .options import AttentionOptions
 
@@ -63,7 +64,7 @@ def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layou
     batch, seqlen_q, num_heads, head_dim = q.shape
     arguments, constexprs = option_arguments(options, q)
     rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)
-    _dq_kernel[(seqlen_q // config.query_tile, num_heads, batch)](
+    launcher(_dq_kernel)[(seqlen_q // config.query_tile, num_heads, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         lse, delta, *layout.stat_strides(delta), dq, *layout.strides(dq),
         layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,

@@ -46,6 +46,7 @@ from .hopper_gluon import (
     stream_key_tiles, tile_arguments, tma_load,
 )
 from .configs import GLUON_TILES, GluonConfig
+from .direct_launch import launcher
 from .launch import SequenceLayout, kernel_variant
 from .options import FIXED_PIVOT, LN2, SCORES_AHEAD, SINKS, AttentionOptions
 from .scores import PIVOT_HEADROOM
@@ -74,7 +75,7 @@ def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: Sequ
     constexprs["VARIANT"] |= forward_bits(options, q.dtype)
     sinks = lse if options.sinks is None else options.sinks
     rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)
-    _forward_kernel[(seqlen_q // config.query_tile, num_heads, batch)](
+    launcher(_forward_kernel)[(seqlen_q // config.query_tile, num_heads, batch)](
         *tile_arguments((q, k, v), layout, (rows, keys, keys)),
         out, *layout.strides(out), lse, *layout.stat_strides(lse), sinks,
         layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,

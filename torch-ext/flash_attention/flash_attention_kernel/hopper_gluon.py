@@ -33,6 +33,8 @@ Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`
 lists the Triton releases the kernels were run and checked under.
 """
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,15 +54,22 @@ def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
     """The kernels' first arguments: a TMA descriptor for each of ``tensors`` (q, k, v, dout) with
     blocks of ``rows[i]`` rows of the head dim, over the tensor seen as a matrix of rows
     (``launch.RowGeometry``), then each tensor's (batch_rows, head_rows, head_cols)."""
-    element = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
     head_dim = tensors[0].shape[-1]
     geometry = [RowGeometry.of(x, layout) for x in tensors]
     descriptors = [
         TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [block_rows, head_dim],
-                         gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], element))
+                         _shared_layout(block_rows, head_dim, x.dtype))
         for x, g, block_rows in zip(tensors, geometry, rows)
     ]
     return [*descriptors, *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))]
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
+    """The shared-memory layout of a (block_rows, head_dim) tile of a 2-byte ``dtype``, built once
+    (a Gluon layout costs more host time to build than a launch)."""
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], element)
 
 
 def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple:

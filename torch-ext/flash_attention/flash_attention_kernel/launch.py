@@ -121,11 +121,16 @@ def fixed_tl_launch(kernel: str, config: TileConfig, head_dim: int, dtype: torch
 
 
 def refitted(tl_launch: TlLaunch) -> TlLaunch:
-    """``tl_launch`` with the config an earlier launch of its key fell back to, if one did (a
-    launcher may keep a TlLaunch across calls)."""
+    """``tl_launch`` with the config an earlier launch of its key fell back to (always a plain
+    loop), if one did (a launcher may keep a TlLaunch across calls: planner's cache, decode's)."""
     if _FITTED and tl_launch.fit_key in _FITTED:
-        return replace(tl_launch, config=_FITTED[tl_launch.fit_key])
+        return replace(tl_launch, config=_FITTED[tl_launch.fit_key], specialized=False)
     return tl_launch
+
+
+def any_refitted() -> bool:
+    """Whether any launch has fallen back to a smaller config (launch_fitting)."""
+    return bool(_FITTED)
 
 
 def launch_fitting(tl_launch: TlLaunch, launch: Callable[[TileConfig, bool], None]) -> None:

@@ -17,6 +17,15 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
   than that behind the extra prologue (docs/design.md#backward), so there the preprocess kernel
   makes it (``DELTA_PREPROCESS``).
 
+A plan depends only on facts a call's signature holds (``plan_key``: the options' scalars and
+which tensor options are set, the sequence layout's lengths, each tensor's type, shape, strides,
+dtype, device and 16-byte alignment, the environment switches), so eager calls find it in a
+cache keyed by them (``_PLANS``) instead of deciding again: the decisions cost more host time
+than a short call's kernels (issue 41). Setting an override empties the cache; a config
+``launch.launch_fitting`` stepped down is applied to a cached plan as it is to a new one
+(``launch.refitted``). Calls on other tensor types (fake tensors under torch.compile) are decided
+afresh each time.
+
 One hook overrides these decisions: ``configs.set_override(pass, config, warp_specialized,
 implementation)`` forces, for every launch of a pass (fwd, bwd_dq, bwd_dkdv, decode), the tl or
 the Gluon kernel and its config (docs/design.md#config-rules); ``override`` below sets it for a
@@ -26,12 +35,16 @@ benchmarks choose kernels and configs through the hook.
 """
 
 import contextlib
-from dataclasses import dataclass
+import os
+import types
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
+
+import torch
 
 from . import configs, hopper_route
 from .configs import GluonConfig
-from .launch import SequenceLayout, TlLaunch, kernel_variant, tl_launch
+from .launch import SequenceLayout, TlLaunch, any_refitted, kernel_variant, refitted, tl_launch
 from .options import FP32_EXACT, AttentionOptions
 
 # Where the backward's delta comes from (BackwardPlan.delta_source)
@@ -68,13 +81,31 @@ class BackwardPlan:
 
 def plan_forward(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q, k, v) -> PassPlan:
     """The forward's kernel and config for this call."""
-    return _pass_plan("fwd", options, layout, interpreted, (q, k, v))
+    tensors = (q, k, v)
+    key = plan_key("fwd", options, layout, interpreted, tensors)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _pass_plan("fwd", options, layout, interpreted, tensors)
+        if key is not None:
+            _PLANS[key] = plan
+    return _refitted_pass(plan)
 
 
 def plan_backward(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q, k, v,
                   dout) -> BackwardPlan:
     """The backward's delta source and its dQ and dK/dV kernels and configs for this call."""
     tensors = (q, k, v, dout)
+    key = plan_key("bwd", options, layout, interpreted, tensors)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _backward_plan(options, layout, interpreted, tensors)
+        if key is not None:
+            _PLANS[key] = plan
+    return replace(plan, dq=_refitted_pass(plan.dq), dkdv=_refitted_pass(plan.dkdv)) if any_refitted() else plan
+
+
+def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> BackwardPlan:
+    q = tensors[0]
     dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
     dkdv = _pass_plan("bwd_dkdv", options, layout, interpreted, tensors)
@@ -85,6 +116,31 @@ def plan_backward(options: AttentionOptions, layout: SequenceLayout, interpreted
     else:
         delta_source = DELTA_PREPROCESS
     return BackwardPlan(delta_source, dq, dkdv)
+
+
+# plan_key -> PassPlan or BackwardPlan, for eager calls (module docstring)
+_PLANS: dict = {}
+configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=_PLANS.clear))
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SWITCHES = ("FLASH_ATTENTION_GLUON", "FLASH_ATTENTION_TMA", "FLASH_ATTENTION_WS")
+
+
+def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors):
+    """What a plan of ``kind`` ("fwd", "bwd") for these arguments depends on, hashable; None for
+    tensors of other types than plain tensors and parameters (fake tensors have no address)."""
+    if not all(type(x) in _PLAIN for x in tensors):
+        return None
+    environ = os.environ
+    return (kind, interpreted, options.variant, options.causal, options.window, options.softcap, options.dropout_p > 0,
+            layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size,
+            *[environ.get(name) for name in _SWITCHES],
+            *[(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) for x in tensors])
+
+
+def _refitted_pass(plan: PassPlan) -> PassPlan:
+    if plan.tl is None or not any_refitted():
+        return plan
+    return replace(plan, tl=refitted(plan.tl))
 
 
 def _pass_plan(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool,
