@@ -16,6 +16,11 @@ its stored output back makes.
 The order of operations is flash-attn's: scores = q k^T * scale, then softcap * tanh(scores /
 softcap), then the ALiBi bias -slope * |i + seqlen_k - seqlen_q - j|, then the mask (-inf), then
 the softmax, whose denominator also holds exp(sink) when there are sinks, then dropout.
+
+``logits_rule`` is the same rule for single (query, key) pairs in the kernels' own terms, base-2
+logits of given q.k products and indices (its docstring maps the kernels' arguments onto it):
+tests/test_logits_rule.py checks scores.py's tl functions and hopper_gluon.py's Gluon forms
+against it.
 """
 
 import math
@@ -25,6 +30,7 @@ import torch
 FWD_FACTOR = 2.0
 BWD_FACTOR = 3.0
 SLACK = 1e-5
+LOG2E = math.log2(math.e)
 
 
 def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window=(-1, -1), device=None) -> torch.Tensor:
@@ -42,6 +48,61 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window=(-1,
     if left >= 0:
         visible &= cols >= rows - left
     return visible
+
+
+def logits_rule(qk, q_idx, k_idx, diag: int, window=(-1, -1), softmax_scale: float = 1.0, softcap: float = 0.0,
+                alibi_slope=None, seqlen_k=None, natural: bool = False):
+    """(logits, grad) in float64 of the (query, key) pairs of q.k products ``qk``, query indices
+    ``q_idx`` and key indices ``k_idx`` (all three broadcast against each other, e.g. [M, N],
+    [M, 1], [1, N]), the one statement of the rule the kernels' tl and Gluon forms compute:
+
+    * logit = softcap * tanh(qk * softmax_scale / softcap) (qk * softmax_scale without a softcap,
+      softcap <= 0), minus alibi_slope * |q + diag - k| with ALiBi (any sign of slope), times
+      log2(e) (base 2), or natural with ``natural`` (FP32_EXACT);
+    * -inf where key k is not visible to query q: unless q + diag - left <= k <= q + diag + right
+      (window (left, right), a negative bound = none, as flash-attn's window_size; causal is
+      right = 0), or k >= seqlen_k (None: no end, the Gluon kernels' full-length tiles);
+    * grad = d logit / d(qk * softmax_scale) (dimensionless): the softcap's tanh' =
+      1 - tanh^2 = sech^2, else 1; exactly 0 where the pair is not visible (masked_fill's
+      gradient: the kernels' dS = 0 there).
+
+    How the kernels' arguments map onto it (``options.AttentionOptions.kernel_args(q)``, which
+    ``hopper_gluon.option_arguments`` passes on; L = log2(e), or 1 for fp32 q, FP32_EXACT):
+
+    * without a softcap score_scale = softmax_scale * L and the logit is qk * score_scale; with
+      one, score_scale = softmax_scale / softcap, softcap_log2 = softcap * L and the capped logit
+      is softcap_log2 * tanh(qk * score_scale);
+    * the slope's logit units: slope_log2 = slope * L (scores.head_options via
+      ``logit_units``; the Gluon kernels load the slope times LOG2E), bias -slope_log2 * |d|;
+    * (left, right) = options.window clamped to MAX_WINDOW, diag = seqlen_k - seqlen_q; VARIANT
+      has MASK_LEFT / MASK_RIGHT where a bound is >= 0 (``launch.kernel_variant``);
+    * what the forms return: ``scores.logits`` s in units of ``scores.logit_unit`` (logit =
+      s * unit: the tanh alone, unit softcap_log2, under a softcap without ALiBi) and, for
+      ``logits_grad``, the tanh (grad = 1 - tanh^2) or, under FP32_EXACT, grad itself;
+      ``hopper_gluon.tile_logits`` logit - lse_log2; ``hopper_gluon.forward_logits`` (t, unit,
+      row_offset) with logit = t * unit - row_offset; ``scores.score_grads`` and
+      ``hopper_gluon.tile_logits_grad`` x * grad, exactly 0 where masked."""
+    qk = torch.as_tensor(qk, dtype=torch.float64)
+    q_idx, k_idx = torch.as_tensor(q_idx, dtype=torch.int64), torch.as_tensor(k_idx, dtype=torch.int64)
+    scaled = qk * softmax_scale
+    if softcap > 0:
+        x = scaled / softcap
+        logits, grad = softcap * torch.tanh(x), torch.cosh(x) ** -2.0  # (sech^2: no cancellation near |tanh| = 1)
+    else:
+        logits, grad = scaled, torch.ones_like(scaled)
+    distance = q_idx + diag - k_idx  # (int64: exact)
+    if alibi_slope is not None:
+        logits = logits - alibi_slope * distance.abs().to(torch.float64)
+    left, right = (int(bound) for bound in window)
+    visible = torch.ones_like(distance, dtype=torch.bool)
+    if seqlen_k is not None:
+        visible = visible & (k_idx < seqlen_k)
+    if right >= 0:
+        visible = visible & (distance >= -right)
+    if left >= 0:
+        visible = visible & (distance <= left)
+    logits = torch.where(visible, logits * (1.0 if natural else LOG2E), float("-inf"))
+    return logits, torch.where(visible, grad, 0.0)
 
 
 def alibi_bias(alibi_slopes: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:

@@ -26,7 +26,8 @@ warpgroups' layouts, the forward's pivot folded into one multiply-add), is this 
 ``tile_logits_grad`` (the softcap's tanh', and dS = 0 outside the band) and, for the forward,
 which has no lse yet, ``forward_logits``. The backward kernels hold their tiles in opposite
 orientations (dK/dV: S^T, keys by queries; dQ: S), so ``tile_logits`` takes index vectors
-already shaped to broadcast.
+already shaped to broadcast. tests/test_logits_rule.py checks these forms, and scores.py's,
+against one host statement of the rule (``logits_rule`` in tests/reference.py).
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
 ``async_load`` from 3.9), so the module binds the name it finds; ``hopper_route.CHECKED_VERSIONS``
