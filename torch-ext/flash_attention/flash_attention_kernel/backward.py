@@ -455,12 +455,12 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
     common = dict(HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, IS_VARLEN=layout.is_varlen)
-    matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, VARIANT=kernel_variant(options, q.dtype, interpreted),
-                  PRECISION=precision_mode(q.dtype, interpreted))
-    option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
-
     dlse = dlse.contiguous() if has_dlse else delta  # (an unread stand-in without dlse)
     plan = plan_backward(options, layout, interpreted, q, k, v, dout)
+    if plan.dq.tl is not None or plan.dkdv.tl is not None:  # (what only the tl kernels take)
+        matmul = dict(GROUP_SIZE=num_heads // num_heads_kv, VARIANT=kernel_variant(options, q.dtype, interpreted),
+                      PRECISION=precision_mode(q.dtype, interpreted))
+        option_args = (*layout.seqlens(), options.softmax_scale, *options.kernel_args(q))
     # fp32: the dQ kernel makes delta itself (from P and dP, not O) and the row scale 1 / c of the
     # stored lse's rounding, and runs before the dK/dV kernel and the sinks' gradient, which take
     # both (_attn_bwd_dq_kernel)
@@ -472,7 +472,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     delta_in_dq = plan.delta_source in (DELTA_IN_DQ, DELTA_FP32_PASS)
 
     def launch_dq(config, specialized):
-        launcher(_attn_bwd_dq_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
+        grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
+        launcher(_attn_bwd_dq_kernel, wrap_kernel)[grid](
             q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
             *layout.strides(dq), *layout.stat_strides(delta), *option_args, **common, **matmul,
@@ -481,7 +482,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         )
 
     def launch_dkdv(config, specialized):
-        launcher(_attn_bwd_dkdv_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)](
+        grid = (triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)
+        launcher(_attn_bwd_dkdv_kernel, wrap_kernel)[grid](
             q, k, v, dout, lse, delta, row_scale, dk, dv, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
             *layout.strides(dk), *layout.strides(dv), *layout.stat_strides(delta),
@@ -493,7 +495,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         launch_fitting(plan.dq.tl, launch_dq)
     else:
         pre_block = 64 if not interpreted else 32
-        launcher(_attn_bwd_preprocess_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)](
+        grid = (triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)
+        launcher(_attn_bwd_preprocess_kernel, wrap_kernel)[grid](
             out, dout, dlse, delta, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[2],
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
             BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,

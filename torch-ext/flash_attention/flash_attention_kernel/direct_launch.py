@@ -77,18 +77,31 @@ class DirectKernel:
         if kinds is None:
             kinds = self.kinds[types] = _ArgumentKinds(types, self.specialized)
         tensors = kinds.tensors(args)
-        key = (device, types, *keywords.values(), *kinds.by_value(args), *[x.dtype for x in tensors],
+        descriptors = kinds.descriptors(args)
+        key = (device, types, *map(_identity, keywords.values()), *kinds.by_value(args), *[x.dtype for x in tensors],
                *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(args)],
-               *[_descriptor_key(x) for x in kinds.descriptors(args)])
+               *[_descriptor_key(x) for x in descriptors])
         entry = self.compiled.get(key)
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             compiled = self.kernel[grid](*args, **keywords)
-            self.compiled[key] = compiled, tuple(keywords.get(name, default) for name, default in self.constexprs)
+            # (the objects keyed by identity stay alive with the entry, so no other object takes their id)
+            kept = (*keywords.values(), *[x.layout for x in descriptors if hasattr(x, "layout")])
+            constexprs = tuple(keywords.get(name, default) for name, default in self.constexprs)
+            self.compiled[key] = compiled, constexprs, kept
             return
-        compiled, constexprs = entry
+        compiled, constexprs, _ = entry
         grid = tuple(grid) + (1,) * (3 - len(grid))
         compiled.run(*grid, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
                      None, None, None, *args, *constexprs)
+
+
+# Keyword values of these types are keyed by value; others (Gluon layouts, whose hash costs more
+# host time than a launch should) by identity, kept alive by the compiled entry
+_BY_VALUE = (int, bool, float, str, type(None), torch.dtype)
+
+
+def _identity(value):
+    return value if type(value) in _BY_VALUE else id(value)
 
 
 class _ArgumentKinds:
@@ -118,10 +131,11 @@ def _is_descriptor(kind) -> bool:
 
 def _descriptor_key(descriptor) -> tuple:
     """What a launch may specialise on of a host tensor descriptor, or finer: its tensor's dtype
-    and alignment, its shape, strides and block shape, and (Gluon's) shared layout and padding."""
+    and alignment, its shape, strides and block shape, and (Gluon's) shared layout (by identity,
+    as ``_identity``) and padding."""
     base = descriptor.base
-    return (base.dtype, base.data_ptr() % 16 == 0, tuple(descriptor.shape), tuple(descriptor.strides),
-            tuple(descriptor.block_shape), getattr(descriptor, "layout", None), getattr(descriptor, "padding", None),
+    return (base.dtype, base.data_ptr() % 16 == 0, *descriptor.shape, *descriptor.strides, *descriptor.block_shape,
+            id(getattr(descriptor, "layout", None)), getattr(descriptor, "padding", None),
             getattr(descriptor, "round_f32_to_tf32", None))
 
 

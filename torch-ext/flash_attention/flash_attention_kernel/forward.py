@@ -249,7 +249,8 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
         ensure_scratch_allocator()
 
     def launch(config, specialized):
-        launcher(_attn_fwd_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
+        grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
+        launcher(_attn_fwd_kernel, wrap_kernel)[grid](
             q, k, v, out, lse, *layout.cu_seqlens(q, k), *layout.paging(k),
             *layout.strides(q), *layout.kv_strides(k), *layout.kv_strides(v), *layout.strides(out),
             *layout.stat_strides(lse), *layout.seqlens(), *options.kernel_args(q),

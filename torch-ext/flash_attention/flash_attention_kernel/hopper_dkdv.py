@@ -32,12 +32,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, option_arguments,
-    release_unread, make_ring, tile_arguments, tile_logits, tile_logits_grad, tma_load,
+    release_unread, make_ring, tile_arguments, tile_logits, tile_logits_grad, tma_load, vector_descriptor,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -64,8 +63,7 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     batch, seqlen_k, num_heads_kv, head_dim = k.shape
     # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
-    stats = [TensorDescriptor(x, [x.numel()], [1], [rows], STAT_LAYOUT)
-             for x in (_tma_vector(lse), _tma_vector(delta))]
+    stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),

@@ -54,7 +54,28 @@ CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); 
 def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
     """The kernels' first arguments: a TMA descriptor for each of ``tensors`` (q, k, v, dout) with
     blocks of ``rows[i]`` rows of the head dim, over the tensor seen as a matrix of rows
-    (``launch.RowGeometry``), then each tensor's (batch_rows, head_rows, head_cols)."""
+    (``launch.RowGeometry``), then each tensor's (batch_rows, head_rows, head_cols).
+
+    Everything but the tensors' addresses follows from their shapes, strides, dtypes and
+    alignment, so it is built and checked once per such signature (``_TILE_TEMPLATES``) and each
+    call copies the checked descriptors onto its own tensors (``_rebased``): building a descriptor
+    costs more host time than launching the kernel."""
+    key = (rows, layout.is_varlen, *[(x.shape, x.stride(), x.dtype, x.data_ptr() % 16) for x in tensors])
+    template = _TILE_TEMPLATES.get(key)
+    if template is None:
+        if len(_TILE_TEMPLATES) >= MAX_TEMPLATES:  # (a bound for workloads of ever new shapes)
+            _TILE_TEMPLATES.clear()
+        template = _TILE_TEMPLATES[key] = _tile_template(tensors, layout, rows)
+    descriptors, geometry = template
+    return [*map(_rebased, descriptors, tensors), *geometry]
+
+
+_TILE_TEMPLATES: dict = {}
+MAX_TEMPLATES = 4096
+
+
+def _tile_template(tensors, layout: SequenceLayout, rows) -> tuple:
+    """(descriptors, geometry values) of ``tile_arguments``, built and checked on these tensors."""
     head_dim = tensors[0].shape[-1]
     geometry = [RowGeometry.of(x, layout) for x in tensors]
     descriptors = [
@@ -62,7 +83,32 @@ def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
                          _shared_layout(block_rows, head_dim, x.dtype))
         for x, g, block_rows in zip(tensors, geometry, rows)
     ]
-    return [*descriptors, *(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))]
+    return descriptors, tuple(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))
+
+
+def vector_descriptor(x: torch.Tensor, block: int, layout) -> TensorDescriptor:
+    """A TMA descriptor of contiguous, 16-byte aligned vector ``x`` (its numel elements) in blocks
+    of ``block`` elements with the shared ``layout``: checked once per (numel, dtype, block,
+    layout), as ``tile_arguments``' descriptors are."""
+    key = (x.numel(), x.dtype, block, id(layout))
+    template = _VECTOR_TEMPLATES.get(key)
+    if template is None:
+        if len(_VECTOR_TEMPLATES) >= MAX_TEMPLATES:
+            _VECTOR_TEMPLATES.clear()
+        template = _VECTOR_TEMPLATES[key] = TensorDescriptor(x, [x.numel()], [1], [block], layout)
+    return _rebased(template, x)
+
+
+_VECTOR_TEMPLATES: dict = {}  # (each template holds its layout, so no other layout takes the id its key holds)
+
+
+def _rebased(template: TensorDescriptor, tensor: torch.Tensor) -> TensorDescriptor:
+    """``template`` over ``tensor``, which has the shape, strides, dtype and alignment of the
+    tensor it was checked on (so the dataclass's checks are not run again)."""
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(template.__dict__)
+    descriptor.base = tensor
+    return descriptor
 
 
 @functools.lru_cache(maxsize=None)

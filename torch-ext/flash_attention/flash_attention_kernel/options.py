@@ -75,6 +75,12 @@ class AttentionOptions:
 
     @staticmethod
     def unflatten(values) -> "AttentionOptions":
+        values = tuple(values)
+        if values[0] is None and values[1] is None and values[2] is None:  # no tensor option: one object per scalars
+            try:
+                return _scalar_options(values[3:])
+            except TypeError:  # (a symbolic scalar under tracing has no hash)
+                pass
         names = AttentionOptions.TENSORS + AttentionOptions.SCALARS
         return AttentionOptions(**dict(zip(names, values, strict=True)))
 
@@ -130,6 +136,13 @@ class AttentionOptions:
             stand_in if self.rng_state is None else self.rng_state,
             score_scale, softcap_log2, left, right, threshold, 1.0 / (1.0 - self.dropout_p),
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _scalar_options(scalars: tuple) -> AttentionOptions:
+    """The options of these SCALARS and no tensor option, made once (their derived values, cached
+    on the instance, with them): unflatten's common case."""
+    return AttentionOptions(**dict(zip(AttentionOptions.SCALARS, scalars, strict=True)))
 
 
 def draw_rng_state(device: torch.device) -> torch.Tensor:

@@ -87,7 +87,7 @@ def plan_forward(options: AttentionOptions, layout: SequenceLayout, interpreted:
     if plan is None:
         plan = _pass_plan("fwd", options, layout, interpreted, tensors)
         if key is not None:
-            _PLANS[key] = plan
+            _remember(key, plan)
     return _refitted_pass(plan)
 
 
@@ -100,7 +100,7 @@ def plan_backward(options: AttentionOptions, layout: SequenceLayout, interpreted
     if plan is None:
         plan = _backward_plan(options, layout, interpreted, tensors)
         if key is not None:
-            _PLANS[key] = plan
+            _remember(key, plan)
     return replace(plan, dq=_refitted_pass(plan.dq), dkdv=_refitted_pass(plan.dkdv)) if any_refitted() else plan
 
 
@@ -118,11 +118,18 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     return BackwardPlan(delta_source, dq, dkdv)
 
 
-# plan_key -> PassPlan or BackwardPlan, for eager calls (module docstring)
+# plan_key -> PassPlan or BackwardPlan, for eager calls (module docstring), at most MAX_PLANS
 _PLANS: dict = {}
+MAX_PLANS = 4096
 configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=_PLANS.clear))
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SWITCHES = ("FLASH_ATTENTION_GLUON", "FLASH_ATTENTION_TMA", "FLASH_ATTENTION_WS")
+
+
+def _remember(key, plan) -> None:
+    if len(_PLANS) >= MAX_PLANS:  # (a bound for workloads of ever new shapes: plans are cheap to make again)
+        _PLANS.clear()
+    _PLANS[key] = plan
 
 
 def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors):

@@ -94,7 +94,8 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
     config = TileConfig(32, 32, 4, 1) if small else TileConfig(64, 64, 4, 1)
 
     def launch(config, _specialized):
-        launcher(_attn_probs_kernel, wrap_kernel)[(triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)](
+        grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
+        launcher(_attn_probs_kernel, wrap_kernel)[grid](
             q, k, lse, probs, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.stat_strides(lse), *probs.stride()[:3],
             *layout.seqlens(), *options.kernel_args(q),
