@@ -1,4 +1,4 @@
-"""Eager calls skip torch.library's dispatcher (torch_ops.run_op) and must match the ops.
+"""Eager calls skip torch.library's dispatcher (torch_ops.run_attention) and must match the ops.
 
 The public functions run the op bodies directly under an autograd.Function when nothing needs the
 registered op, and call the op otherwise (torch function or dispatch modes, fake tensors,

@@ -3,7 +3,7 @@
 Each function checks its tensors (``checks.py``) and hands them, with its options, to ``_run``:
 it validates the options into one ``AttentionOptions`` (drawing dropout's RNG state from PyTorch's
 generator), calls one of the forward ops (``fwd``, ``fwd_kvpacked``, ``fwd_qkvpacked``) through
-``torch_ops.run_op``, whose autograd formula calls the matching backward op, and with
+``torch_ops.run_attention``, whose autograd formula calls the matching backward op, and with
 ``return_attn_probs=True`` and dropout also the ``probs`` op. Dense inputs are
 (batch, seqlen, heads, headdim); the ``varlen`` functions take sequences packed along the first
 dim, (total_tokens, heads, headdim), with int32 ``cu_seqlens`` (batch + 1,) marking where each
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from .checks import check_packed, check_paged_kv, check_qkv, check_varlen, checked_attention_options
-from .torch_ops import run_op
+from .torch_ops import run_attention, run_op
 
 DENSE = "(batch, seqlen, nheads, headdim)"
 VARLEN = "(total_tokens, nheads, headdim)"
@@ -43,7 +43,7 @@ def _run(op: str, inputs: tuple, q, k, layout: tuple, batch: int, dropout_p, sof
     sequence ``layout`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) and the options."""
     options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                         s_aux)
-    out, softmax_lse = run_op(op, *inputs, *layout, *options.flatten())
+    out, softmax_lse = run_attention(op, inputs, layout, options)
     if not return_attn_probs:
         return out
     probs = None

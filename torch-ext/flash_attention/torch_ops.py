@@ -13,9 +13,11 @@ so a triton_op could be neither faked nor traced. There the same bodies are regi
 
 Eager calls skip the dispatcher. Going through torch.library costs about 100 us of host time per
 forward and more per backward (the custom-op autograd wrapper, redispatch, argument defaults,
-triton_op's dynamo guard), more than the whole kernel at short sequences. ``run_op`` therefore
-runs the same op bodies directly, under a ``torch.autograd.Function`` with the op's autograd
-formula, whenever nothing could need the op itself: plain tensors, no torch.compile / export /
+triton_op's dynamo guard), more than the whole kernel at short sequences. ``run_attention`` (and
+``run_op``, ``run_rotary``, ``run_kvcache``) therefore run the same op bodies directly, the
+attention ones under a ``torch.autograd.Function`` with the op's autograd formula whose only
+inputs are what can need a gradient (docs/design.md#host-cost-per-call), whenever nothing could
+need the op itself: plain tensors, no torch.compile / export /
 jit tracing, no functorch transform, no torch function or dispatch mode (FakeTensorMode,
 FlopCounterMode, ``with torch.device(...)``...). Otherwise it calls the registered op, which is what
 those systems see and trace. Both paths launch the same kernels with the same arguments.
@@ -25,7 +27,6 @@ cu_seqlens. Inputs are validated by the public functions in ``interface.py`` bef
 these ops.
 """
 
-import functools
 import inspect
 from typing import Optional
 
@@ -79,11 +80,16 @@ class _SkipLaunch:
 
 
 def _register(name: str, body, leading: str, returns):
-    """Register ``body(*args, wrap_kernel)`` as the op ``name`` whose parameters are the tensors
-    named in ``leading`` (Optional where they end in "?") and TRAILING (see the module docstring)."""
+    """Register ``body(*tensors, layout, options, wrap_kernel=...)`` as the op ``name`` whose
+    parameters are the tensors named in ``leading`` (Optional where they end in "?") and TRAILING
+    (see the module docstring), which the op splits into the sequence layout and the options."""
+
+    def run(args, wrap_kernel):
+        layout, options = _split(args[-NUM_TRAILING:])
+        return body(*args[:-NUM_TRAILING], layout, options, wrap_kernel=wrap_kernel)
 
     def impl(*args):
-        return body(*args, wrap_kernel=torch.library.wrap_triton)
+        return run(args, torch.library.wrap_triton)
 
     parameters = [inspect.Parameter(arg.rstrip("?"), inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                     annotation=OptionalTensor if arg.endswith("?") else Tensor)
@@ -92,7 +98,7 @@ def _register(name: str, body, leading: str, returns):
     if not interpreter_active():
         return torch.library.triton_op(name, impl, mutates_args=())
     op = torch.library.custom_op(name, impl, mutates_args=())
-    op.register_fake(lambda *args: body(*args, wrap_kernel=_SkipLaunch))
+    op.register_fake(lambda *args: run(args, _SkipLaunch))
     return op
 
 
@@ -105,42 +111,41 @@ def _sink_grad_or_empty(dsinks, q):
     return dsinks if dsinks is not None else q.new_empty(0)
 
 
-def _fwd(q, k, v, *trailing, wrap_kernel):
-    layout, options = _split(trailing)
+# The op bodies: the op's tensors, then its sequence layout (cu_seqlens_q, cu_seqlens_k,
+# max_seqlen_q, max_seqlen_k, block_table) and its AttentionOptions
+def _fwd(q, k, v, layout, options, *, wrap_kernel):
     return attention_forward(q, k, v, options, *layout, wrap_kernel=wrap_kernel)
 
 
-def _fwd_kvpacked(q, kv, *trailing, wrap_kernel):
-    return _fwd(q, *kv.unbind(dim=-3), *trailing, wrap_kernel=wrap_kernel)
+def _fwd_kvpacked(q, kv, layout, options, *, wrap_kernel):
+    return _fwd(q, *kv.unbind(dim=-3), layout, options, wrap_kernel=wrap_kernel)
 
 
-def _fwd_qkvpacked(qkv, *trailing, wrap_kernel):
-    return _fwd(*qkv.unbind(dim=-3), *trailing, wrap_kernel=wrap_kernel)
+def _fwd_qkvpacked(qkv, layout, options, *, wrap_kernel):
+    return _fwd(*qkv.unbind(dim=-3), layout, options, wrap_kernel=wrap_kernel)
 
 
-def _bwd(dout, q, k, v, out, softmax_lse, dlse, *trailing, wrap_kernel, grads=None):
-    layout, options = _split(trailing)
+def _bwd(dout, q, k, v, out, softmax_lse, dlse, layout, options, *, wrap_kernel, grads=None):
     dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, softmax_lse, options, dlse, *layout, grads=grads,
                                             wrap_kernel=wrap_kernel)
     return dq, dk, dv, _sink_grad_or_empty(dsinks, q)
 
 
-def _bwd_kvpacked(dout, q, kv, out, softmax_lse, dlse, *trailing, wrap_kernel):
+def _bwd_kvpacked(dout, q, kv, out, softmax_lse, dlse, layout, options, *, wrap_kernel):
     dkv = _packed_grad(kv)
-    dq, _, _, dsinks = _bwd(dout, q, *kv.unbind(dim=-3), out, softmax_lse, dlse, *trailing, wrap_kernel=wrap_kernel,
-                            grads=(torch.empty_like(q), *dkv.unbind(dim=-3)))
+    dq, _, _, dsinks = _bwd(dout, q, *kv.unbind(dim=-3), out, softmax_lse, dlse, layout, options,
+                            wrap_kernel=wrap_kernel, grads=(torch.empty_like(q), *dkv.unbind(dim=-3)))
     return dq, dkv, dsinks
 
 
-def _bwd_qkvpacked(dout, qkv, out, softmax_lse, dlse, *trailing, wrap_kernel):
+def _bwd_qkvpacked(dout, qkv, out, softmax_lse, dlse, layout, options, *, wrap_kernel):
     dqkv = _packed_grad(qkv)
-    *_, dsinks = _bwd(dout, *qkv.unbind(dim=-3), out, softmax_lse, dlse, *trailing, wrap_kernel=wrap_kernel,
+    *_, dsinks = _bwd(dout, *qkv.unbind(dim=-3), out, softmax_lse, dlse, layout, options, wrap_kernel=wrap_kernel,
                       grads=dqkv.unbind(dim=-3))
     return dqkv, dsinks
 
 
-def _probs(q, k, softmax_lse, *trailing, wrap_kernel):
-    layout, options = _split(trailing)
+def _probs(q, k, softmax_lse, layout, options, *, wrap_kernel):
     return attention_probabilities(q, k, softmax_lse, options, *layout, wrap_kernel=wrap_kernel)
 
 
@@ -170,15 +175,19 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _refuse_paged_backward():
+    raise NotImplementedError(
+        "flash_attention: no backward through flash_attn_varlen_func with block_table (a paged KV cache), "
+        "as in flash-attn 2.8: its forward runs on tensors that require grad, but a gradient of q, k or v "
+        "through it cannot be computed; use contiguous k and v (no block_table) to train")
+
+
 def _autograd_formula(backward_op):
-    """The backward of a forward op, as register_autograd and _EagerAttention take it."""
+    """The backward of a forward op, as register_autograd takes it."""
 
     def backward(ctx, dout, dlse):
         if ctx.paged:
-            raise NotImplementedError(
-                "flash_attention: no backward through flash_attn_varlen_func with block_table (a paged KV cache), "
-                "as in flash-attn 2.8: its forward runs on tensors that require grad, but a gradient of q, k or v "
-                "through it cannot be computed; use contiguous k and v (no block_table) to train")
+            _refuse_paged_backward()
         saved = ctx.saved_tensors
         tensors, (out, softmax_lse, cu_seqlens_q, cu_seqlens_k, *option_tensors) = (
             saved[:-_SAVED_AFTER_INPUTS], saved[-_SAVED_AFTER_INPUTS:])
@@ -201,24 +210,44 @@ for _forward, _backward in _FORWARD_TO_BACKWARD.items():
                                     setup_context=_setup_context)
 
 
-# The op bodies launching their kernels as they are, and the autograd formulas over them.
-_DIRECT = {name: functools.partial(body, wrap_kernel=identity_wrap) for name, (body, _, _) in _OPS.items()}
-_DIRECT_BACKWARD = {name: _autograd_formula(_DIRECT[backward]) for name, backward in _FORWARD_TO_BACKWARD.items()}
-
-
 class _EagerAttention(torch.autograd.Function):
-    """Forward op ``name`` without the dispatcher, with the op's autograd formula (eager only)."""
+    """Forward op ``call.name`` without the dispatcher, with the op's autograd formula (eager
+    only). It takes only what can need a gradient as inputs (the op's tensors, then the sinks or
+    None) and carries the layout and options in ``call``: every argument of an autograd Function
+    costs host time on each call."""
 
     @staticmethod
-    def forward(ctx, name, *args):
-        output = _DIRECT[name](*args)
-        _setup_context(ctx, args, output)
-        ctx.name = name
+    def forward(ctx, call, *inputs):
+        *tensors, _ = inputs
+        output = _OPS[call.name][0](*tensors, call.layout, call.options, wrap_kernel=identity_wrap)
+        ctx.paged = call.layout[4] is not None  # (forward only: the backward refuses, so nothing is saved)
+        if not ctx.paged:
+            ctx.save_for_backward(*tensors, *output)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return None, *_DIRECT_BACKWARD[ctx.name](ctx, dout, dlse)
+        if ctx.paged:
+            _refuse_paged_backward()
+        call = ctx.call
+        *tensors, out, softmax_lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        backward_body = _OPS[_FORWARD_TO_BACKWARD[call.name]][0]
+        *grads, dsinks = backward_body(dout, *tensors, out, softmax_lse, dlse, call.layout, call.options,
+                                       wrap_kernel=identity_wrap)
+        return None, *grads, dsinks if call.options.sinks is not None else None
+
+
+class _EagerCall:
+    """What an eager attention call carries besides its differentiable inputs."""
+
+    __slots__ = ("name", "layout", "options")
+
+    def __init__(self, name: str, layout: tuple, options: AttentionOptions):
+        self.name, self.layout, self.options = name, layout, options
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -329,11 +358,24 @@ def run_kvcache(options: AttentionOptions, *args):
 
 
 def run_op(name: str, *args):
-    """Op ``name`` on the op's arguments, differentiable where it has a backward; eager calls
-    skip the dispatcher (see the module docstring)."""
-    tensors = [x for x in args if isinstance(x, torch.Tensor)]
-    if _needs_dispatcher(tensors):
+    """Op ``name`` on the op's arguments (the ``probs`` op; the attention ops go through
+    ``run_attention``); eager calls skip the dispatcher (see the module docstring)."""
+    if _needs_dispatcher([x for x in args if isinstance(x, torch.Tensor)]):
         return getattr(ops, name)(*args)
-    if name in _FORWARD_TO_BACKWARD and torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        return _EagerAttention.apply(name, *args)
-    return _DIRECT[name](*args)
+    tensors, trailing = args[:-NUM_TRAILING], args[-NUM_TRAILING:]
+    layout, options = _split(trailing)
+    return _OPS[name][0](*tensors, layout, options, wrap_kernel=identity_wrap)
+
+
+def run_attention(name: str, inputs: tuple, layout: tuple, options: AttentionOptions):
+    """Forward op ``name`` (fwd, fwd_kvpacked, fwd_qkvpacked) on its tensors ``inputs`` with the
+    sequence ``layout`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) and
+    ``options``: (out, softmax_lse), differentiable. Eager calls skip the dispatcher (module
+    docstring) and hand the options object through as it is."""
+    tensors = [*inputs, *(x for x in (layout[0], layout[1], layout[4], *options.tensors()) if x is not None)]
+    if _needs_dispatcher(tensors):
+        return getattr(ops, name)(*inputs, *layout, *options.flatten())
+    sinks = options.sinks
+    if torch.is_grad_enabled() and (any(x.requires_grad for x in inputs) or (sinks is not None and sinks.requires_grad)):
+        return _EagerAttention.apply(_EagerCall(name, layout, options), *inputs, sinks)
+    return _OPS[name][0](*inputs, layout, options, wrap_kernel=identity_wrap)

@@ -137,11 +137,21 @@ def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, inter
     tensors of other types than plain tensors and parameters (fake tensors have no address)."""
     if not all(type(x) in _PLAIN for x in tensors):
         return None
-    environ = os.environ
     return (kind, interpreted, options.variant, options.causal, options.window, options.softcap, options.dropout_p > 0,
-            layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size,
-            *[environ.get(name) for name in _SWITCHES],
+            layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size, *_switches(),
             *[(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) for x in tensors])
+
+
+# The switches' values as os.environ holds them (os.environ.get encodes each name and decodes each
+# value: 1-2 us a switch, more than the rest of the key)
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_SWITCH_KEYS = [os.environ.encodekey(name) for name in _SWITCHES] if hasattr(os.environ, "encodekey") else None
+
+
+def _switches() -> tuple:
+    if _ENVIRON_DATA is None or _SWITCH_KEYS is None:  # (a Python whose os.environ differs: the public way)
+        return tuple(os.environ.get(name) for name in _SWITCHES)
+    return tuple(_ENVIRON_DATA.get(key) for key in _SWITCH_KEYS)
 
 
 def _refitted_pass(plan: PassPlan) -> PassPlan:
