@@ -43,7 +43,7 @@ from .configs import head_dim_chunks
 from .direct_launch import launcher
 from .forward import reciprocal
 from .launch import (
-    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
+    SequenceLayout, cdiv, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
     launch_fitting, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
@@ -472,7 +472,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     delta_in_dq = plan.delta_source in (DELTA_IN_DQ, DELTA_FP32_PASS)
 
     def launch_dq(config, specialized):
-        grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
+        grid = (cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
         launcher(_attn_bwd_dq_kernel, wrap_kernel)[grid](
             q, k, v, dout, out, lse, dlse, delta, row_scale, dq, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout), *layout.strides(out),
@@ -482,7 +482,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         )
 
     def launch_dkdv(config, specialized):
-        grid = (triton.cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)
+        grid = (cdiv(layout.seqlen_k, config.block_n), num_heads_kv, layout.batch)
         launcher(_attn_bwd_dkdv_kernel, wrap_kernel)[grid](
             q, k, v, dout, lse, delta, row_scale, dk, dv, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.strides(v), *layout.strides(dout),
@@ -495,7 +495,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
         launch_fitting(plan.dq.tl, launch_dq)
     else:
         pre_block = 64 if not interpreted else 32
-        grid = (triton.cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)
+        grid = (cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)
         launcher(_attn_bwd_preprocess_kernel, wrap_kernel)[grid](
             out, dout, dlse, delta, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[2],
             *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,

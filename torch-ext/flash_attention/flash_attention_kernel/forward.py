@@ -45,7 +45,7 @@ import triton.language as tl
 from .configs import head_dim_chunks
 from .direct_launch import launcher
 from .launch import (
-    SequenceLayout, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
+    SequenceLayout, cdiv, ensure_scratch_allocator, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
     launch_fitting, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
@@ -249,7 +249,7 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
         ensure_scratch_allocator()
 
     def launch(config, specialized):
-        grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
+        grid = (cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
         launcher(_attn_fwd_kernel, wrap_kernel)[grid](
             q, k, v, out, lse, *layout.cu_seqlens(q, k), *layout.paging(k),
             *layout.strides(q), *layout.kv_strides(k), *layout.kv_strides(v), *layout.strides(out),

@@ -21,6 +21,12 @@ from .options import (
 )
 
 
+def cdiv(x: int, y: int) -> int:
+    """ceil(x / y) on the host (triton.cdiv is a constexpr_function from Triton 3.7 on, whose
+    wrapper costs more host time than the division; this also takes torch.compile's SymInts)."""
+    return (x + y - 1) // y
+
+
 def identity_wrap(kernel):
     """Default ``wrap_kernel``: launch the Triton kernel as it is."""
     return kernel

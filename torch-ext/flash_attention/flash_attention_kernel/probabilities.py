@@ -18,7 +18,7 @@ import triton.language as tl
 from .configs import TileConfig, head_dim_chunks
 from .direct_launch import launcher
 from .launch import (
-    SequenceLayout, fixed_tl_launch, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
+    SequenceLayout, cdiv, fixed_tl_launch, identity_wrap, is_interpreted, kernel_variant, last_dim_contiguous,
     launch_fitting, on_tensor_device, precision_mode,
 )
 from .options import AttentionOptions
@@ -94,7 +94,7 @@ def attention_probabilities(q, k, lse, options: AttentionOptions, cu_seqlens_q=N
     config = TileConfig(32, 32, 4, 1) if small else TileConfig(64, 64, 4, 1)
 
     def launch(config, _specialized):
-        grid = (triton.cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
+        grid = (cdiv(layout.seqlen_q, config.block_m), num_heads, layout.batch)
         launcher(_attn_probs_kernel, wrap_kernel)[grid](
             q, k, lse, probs, *layout.cu_seqlens(q, k),
             *layout.strides(q), *layout.strides(k), *layout.stat_strides(lse), *probs.stride()[:3],

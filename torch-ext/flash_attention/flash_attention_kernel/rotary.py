@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .direct_launch import launcher
-from .launch import identity_wrap, is_interpreted, last_dim_contiguous, on_tensor_device, precision_mode
+from .launch import cdiv, identity_wrap, is_interpreted, last_dim_contiguous, on_tensor_device, precision_mode
 from .tiles import load_rows, round_to, sequence_span
 
 
@@ -162,7 +162,7 @@ def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen: int
     # 64 (row, head) pairs a program (decode steps, with one row, take more heads instead)
     block_m = 4 if interpreted else min(8, triton.next_power_of_2(max(seqlen, 1)))
     block_h = min(triton.next_power_of_2(num_heads), 64 // block_m)
-    grid = (triton.cdiv(seqlen, block_m), triton.cdiv(num_heads, block_h), batch)
+    grid = (cdiv(seqlen, block_m), cdiv(num_heads, block_h), batch)
     launcher(_rotary_kernel, wrap_kernel)[grid](
         x, out, cos, sin, seqlen_offsets if per_sequence else stand_in,
         cu_seqlens if cu_seqlens is not None else stand_in, x.shape[0] if cu_seqlens is not None else 0,
