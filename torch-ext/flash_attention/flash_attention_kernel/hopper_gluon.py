@@ -44,7 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate  # (gluon.aggregate from Triton 3.9 on: the same)
 
 from .hopper_route import KERNEL_BITS
-from .launch import RowGeometry, SequenceLayout
+from .launch import RowGeometry, SequenceLayout, remembered
 from . import rules
 from .options import ALIBI, DROPOUT, LOG2E, MASK_LEFT, MASK_RIGHT, SOFTCAP, AttentionOptions
 
@@ -61,17 +61,11 @@ def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
     call copies the checked descriptors onto its own tensors (``_rebased``): building a descriptor
     costs more host time than launching the kernel."""
     key = (rows, layout.is_varlen, *[(x.shape, x.stride(), x.dtype, x.data_ptr() % 16) for x in tensors])
-    template = _TILE_TEMPLATES.get(key)
-    if template is None:
-        if len(_TILE_TEMPLATES) >= MAX_TEMPLATES:  # (a bound for workloads of ever new shapes)
-            _TILE_TEMPLATES.clear()
-        template = _TILE_TEMPLATES[key] = _tile_template(tensors, layout, rows)
-    descriptors, geometry = template
+    descriptors, geometry = remembered(_TILE_TEMPLATES, key, lambda: _tile_template(tensors, layout, rows))
     return [*map(_rebased, descriptors, tensors), *geometry]
 
 
-_TILE_TEMPLATES: dict = {}
-MAX_TEMPLATES = 4096
+_TILE_TEMPLATES: dict = {}  # (bounded by launch.remembered)
 
 
 def _tile_template(tensors, layout: SequenceLayout, rows) -> tuple:
@@ -91,11 +85,7 @@ def vector_descriptor(x: torch.Tensor, block: int, layout) -> TensorDescriptor:
     of ``block`` elements with the shared ``layout``: checked once per (numel, dtype, block,
     layout), as ``tile_arguments``' descriptors are."""
     key = (x.numel(), x.dtype, block, id(layout))
-    template = _VECTOR_TEMPLATES.get(key)
-    if template is None:
-        if len(_VECTOR_TEMPLATES) >= MAX_TEMPLATES:
-            _VECTOR_TEMPLATES.clear()
-        template = _VECTOR_TEMPLATES[key] = TensorDescriptor(x, [x.numel()], [1], [block], layout)
+    template = remembered(_VECTOR_TEMPLATES, key, lambda: TensorDescriptor(x, [x.numel()], [1], [block], layout))
     return _rebased(template, x)
 
 

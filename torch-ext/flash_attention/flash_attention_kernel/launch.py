@@ -27,6 +27,22 @@ def cdiv(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
+# How many entries a cache of per-signature host work (plans, descriptor templates) keeps before it
+# starts again: a bound for workloads of ever new shapes, whose entries are cheap to make again
+MAX_REMEMBERED = 4096
+
+
+def remembered(cache: dict, key, make: Callable):
+    """``cache[key]``, made by ``make()`` where it is missing; ``cache`` is emptied first when it
+    holds MAX_REMEMBERED entries."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= MAX_REMEMBERED:
+            cache.clear()
+        value = cache[key] = make()
+    return value
+
+
 def identity_wrap(kernel):
     """Default ``wrap_kernel``: launch the Triton kernel as it is."""
     return kernel

@@ -20,11 +20,11 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
 A plan depends only on facts a call's signature holds (``plan_key``: the options' scalars and
 which tensor options are set, the sequence layout's lengths, each tensor's type, shape, strides,
 dtype, device and 16-byte alignment, the environment switches), so eager calls find it in a
-cache keyed by them (``_PLANS``) instead of deciding again: the decisions cost more host time
-than a short call's kernels (issue 41). Setting an override empties the cache; a config
-``launch.launch_fitting`` stepped down is applied to a cached plan as it is to a new one
-(``launch.refitted``). Calls on other tensor types (fake tensors under torch.compile) are decided
-afresh each time.
+cache keyed by them (``_PLANS``, bounded by ``launch.remembered``) instead of deciding again:
+the decisions cost more host time than a short call's kernels (issue 41). Setting an override
+empties the cache; a config ``launch.launch_fitting`` stepped down is applied to a cached plan as
+it is to a new one (``launch.refitted``). Calls on other tensor types (fake tensors under
+torch.compile) are decided afresh each time.
 
 One hook overrides these decisions: ``configs.set_override(pass, config, warp_specialized,
 implementation)`` forces, for every launch of a pass (fwd, bwd_dq, bwd_dkdv, decode), the tl or
@@ -44,7 +44,7 @@ import torch
 
 from . import configs, hopper_route
 from .configs import GluonConfig
-from .launch import SequenceLayout, TlLaunch, any_refitted, kernel_variant, refitted, tl_launch
+from .launch import SequenceLayout, TlLaunch, any_refitted, kernel_variant, refitted, remembered, tl_launch
 from .options import FP32_EXACT, AttentionOptions
 
 # Where the backward's delta comes from (BackwardPlan.delta_source)
@@ -82,12 +82,8 @@ class BackwardPlan:
 def plan_forward(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q, k, v) -> PassPlan:
     """The forward's kernel and config for this call."""
     tensors = (q, k, v)
-    key = plan_key("fwd", options, layout, interpreted, tensors)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _pass_plan("fwd", options, layout, interpreted, tensors)
-        if key is not None:
-            _remember(key, plan)
+    plan = _cached("fwd", options, layout, interpreted, tensors, lambda: _pass_plan(
+        "fwd", options, layout, interpreted, tensors))
     return _refitted_pass(plan)
 
 
@@ -95,12 +91,8 @@ def plan_backward(options: AttentionOptions, layout: SequenceLayout, interpreted
                   dout) -> BackwardPlan:
     """The backward's delta source and its dQ and dK/dV kernels and configs for this call."""
     tensors = (q, k, v, dout)
-    key = plan_key("bwd", options, layout, interpreted, tensors)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _backward_plan(options, layout, interpreted, tensors)
-        if key is not None:
-            _remember(key, plan)
+    plan = _cached("bwd", options, layout, interpreted, tensors, lambda: _backward_plan(
+        options, layout, interpreted, tensors))
     return replace(plan, dq=_refitted_pass(plan.dq), dkdv=_refitted_pass(plan.dkdv)) if any_refitted() else plan
 
 
@@ -118,18 +110,17 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     return BackwardPlan(delta_source, dq, dkdv)
 
 
-# plan_key -> PassPlan or BackwardPlan, for eager calls (module docstring), at most MAX_PLANS
+# plan_key -> PassPlan or BackwardPlan, for eager calls (module docstring; launch.remembered bounds it)
 _PLANS: dict = {}
-MAX_PLANS = 4096
 configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=_PLANS.clear))
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SWITCHES = ("FLASH_ATTENTION_GLUON", "FLASH_ATTENTION_TMA", "FLASH_ATTENTION_WS")
 
 
-def _remember(key, plan) -> None:
-    if len(_PLANS) >= MAX_PLANS:  # (a bound for workloads of ever new shapes: plans are cheap to make again)
-        _PLANS.clear()
-    _PLANS[key] = plan
+def _cached(kind: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors, make):
+    """The plan ``make()`` makes, from _PLANS where a call of the same plan_key made it before."""
+    key = plan_key(kind, options, layout, interpreted, tensors)
+    return make() if key is None else remembered(_PLANS, key, make)
 
 
 def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors):
