@@ -48,7 +48,7 @@ from .configs import GPU_CLASSES, TileConfig, decode_config, head_dim_chunks
 from .direct_launch import launcher
 from .forward import forward_key_loop, reciprocal, row_lse
 from .launch import (
-    TlLaunch, check_gpu_supports, device_gpu_class, fixed_tl_launch, identity_wrap, is_interpreted,
+    TlLaunch, cdiv, check_gpu_supports, device_gpu_class, fixed_tl_launch, identity_wrap, is_interpreted,
     kernel_variant, last_dim_contiguous, launch_fitting, on_tensor_device, precision_mode, refitted,
 )
 from .options import AttentionOptions
@@ -396,7 +396,7 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
         num_splits = 1
     elif num_splits == 0:
         longest = capacity if cache_seqlens is not None else min(capacity, cache_seqlen + seqlen_new)
-        num_splits = num_splits_heuristic(setup.programs, -(-longest // setup.config.block_n), setup.num_sms,
+        num_splits = num_splits_heuristic(setup.programs, cdiv(longest, setup.config.block_n), setup.num_sms,
                                           2 if page_size else 1)
     split = num_splits > 1
     if split:
@@ -410,7 +410,7 @@ def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new
 
     def launch(config, specialized):
         keywords = setup.decode[split] if config is setup.config else {**setup.decode[split], **config.launch_args()}
-        launcher(_decode_kernel, wrap_kernel)[(max(1, -(-rows // config.block_m)) * num_splits, heads_k, batch)](
+        launcher(_decode_kernel, wrap_kernel)[(max(1, cdiv(rows, config.block_m)) * num_splits, heads_k, batch)](
             q, k_cache, v_cache, *new_args[0], targets[0], targets[1], seqlens_arg, batch_idx_arg,
             cache_leftpad if cache_leftpad is not None else stand_in, *table_args, *rotary_args,
             *q.stride()[:3], *k_strides, *v_strides, *new_args[1], *targets[2:],

@@ -21,10 +21,16 @@ from .options import (
 )
 
 
+# Host integer helpers for the launchers: triton.cdiv and triton.next_power_of_2 are
+# constexpr_functions from Triton 3.7 on, whose wrapper costs more host time than the arithmetic
 def cdiv(x: int, y: int) -> int:
-    """ceil(x / y) on the host (triton.cdiv is a constexpr_function from Triton 3.7 on, whose
-    wrapper costs more host time than the division; this also takes torch.compile's SymInts)."""
+    """ceil(x / y) (also of torch.compile's SymInts)."""
     return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, as triton.next_power_of_2 (0 for n = 0)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 # How many entries a cache of per-signature host work (plans, descriptor templates) keeps before it

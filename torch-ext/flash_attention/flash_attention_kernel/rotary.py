@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 from .direct_launch import launcher
-from .launch import cdiv, identity_wrap, is_interpreted, last_dim_contiguous, on_tensor_device, precision_mode
+from .launch import (
+    cdiv, identity_wrap, is_interpreted, last_dim_contiguous, next_power_of_2, on_tensor_device, precision_mode,
+)
 from .tiles import load_rows, round_to, sequence_span
 
 
@@ -160,16 +162,16 @@ def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen: int
     per_sequence = isinstance(seqlen_offsets, torch.Tensor)
     interpreted = is_interpreted(_rotary_kernel)
     # 64 (row, head) pairs a program (decode steps, with one row, take more heads instead)
-    block_m = 4 if interpreted else min(8, triton.next_power_of_2(max(seqlen, 1)))
-    block_h = min(triton.next_power_of_2(num_heads), 64 // block_m)
+    block_m = 4 if interpreted else min(8, next_power_of_2(max(seqlen, 1)))
+    block_h = min(next_power_of_2(num_heads), 64 // block_m)
     grid = (cdiv(seqlen, block_m), cdiv(num_heads, block_h), batch)
     launcher(_rotary_kernel, wrap_kernel)[grid](
         x, out, cos, sin, seqlen_offsets if per_sequence else stand_in,
         cu_seqlens if cu_seqlens is not None else stand_in, x.shape[0] if cu_seqlens is not None else 0,
         *strides_x, *strides_out, cos.stride(0), sin.stride(0),
         seqlen, num_heads, cos.shape[0], 0 if per_sequence else int(seqlen_offsets),
-        HALF=half, HALF_PADDED=triton.next_power_of_2(half), TAIL=tail,
-        TAIL_PADDED=triton.next_power_of_2(max(tail, 1)), BLOCK_M=block_m, BLOCK_H=block_h,
+        HALF=half, HALF_PADDED=next_power_of_2(half), TAIL=tail,
+        TAIL_PADDED=next_power_of_2(max(tail, 1)), BLOCK_M=block_m, BLOCK_H=block_h,
         INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=cu_seqlens is not None,
         OFFSETS_PER_SEQUENCE=per_sequence, COPY_TAIL=tail > 0 and not inplace,
         PRECISION=precision_mode(x.dtype, interpreted), num_warps=4,
