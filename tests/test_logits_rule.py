@@ -66,12 +66,11 @@ from flash_attention_kernel.options import (  # noqa: E402
     ALIBI, FP32_EXACT, MASK_LEFT, MASK_RIGHT, SOFTCAP, TANH_APPROX, AttentionOptions,
 )
 
-try:  # the Gluon forms: hopper_gluon's (imported here, as the kernels' route does, only if Gluon builds)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from flash_attention_kernel import hopper_gluon
-except Exception:  # (a Triton whose Gluon cannot build the Hopper kernels' module: hopper_route says so)
-    gluon = None
+# the Gluon forms: hopper_gluon's, imported by test_shared_rules only where Gluon builds (as the kernels' route does)
+from test_shared_rules import gluon, require_gluon_on_gpu  # noqa: E402
+
+if gluon is not None:
+    from test_shared_rules import gl, hopper_gluon  # noqa: E402
 
 ROWS, KEYS = 16, 32  # a probe tile: query rows by keys
 CASES = 16  # tiles (programs) per probe launch
@@ -453,11 +452,8 @@ if gluon is not None:
 
 @pytest.fixture
 def gluon_probes():
-    """The Gluon probe kernels: on a GPU (Gluon has no interpreter), under a Triton whose Gluon
-    builds the Hopper kernels' module."""
-    if not ON_GPU or gluon is None:
-        pytest.skip("the Gluon forms run on a GPU only (Gluon has no interpreter), under a Triton whose Gluon "
-                    "builds the Hopper kernels' module")
+    """The Gluon probe kernels (``test_shared_rules.require_gluon_on_gpu``)."""
+    require_gluon_on_gpu("the Gluon forms run")
     return types.SimpleNamespace(tile_logits=_gluon_tile_logits_kernel, forward_logits=_gluon_forward_logits_kernel)
 
 

@@ -264,13 +264,19 @@ if gluon is not None:
         gl.store(Out + offs, hopper_gluon.tanh_approx(gl.load(X + offs)))
 
 
+def require_gluon_on_gpu(subject: str) -> None:
+    """Skip unless Gluon probes can run (``subject`` names them, with its verb): on a GPU (Gluon
+    has no interpreter), under a Triton whose Gluon builds the Hopper kernels' module
+    (test_logits_rule's Gluon probes ask too)."""
+    if not ON_GPU or gluon is None:
+        pytest.skip(f"{subject} on a GPU only (Gluon has no interpreter), under a Triton whose Gluon builds the "
+                    "Hopper kernels' module")
+
+
 @pytest.fixture
 def gluon_probes():
-    """The Gluon probe kernels: on a GPU (Gluon has no interpreter), under a Triton whose Gluon
-    builds the Hopper kernels' module."""
-    if not ON_GPU or gluon is None:
-        pytest.skip("the Gluon instantiation runs on a GPU only (Gluon has no interpreter), under a Triton whose "
-                    "Gluon builds the Hopper kernels' module")
+    """The Gluon probe kernels (``require_gluon_on_gpu``)."""
+    require_gluon_on_gpu("the Gluon instantiation runs")
     return types.SimpleNamespace(band=_gluon_band_kernel, philox=_gluon_philox_kernel, tanh=_gluon_tanh_kernel)
 
 
