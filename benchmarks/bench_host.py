@@ -46,7 +46,6 @@ import io
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -55,6 +54,7 @@ import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench_decode import gpu_busy_us, issue_and_wall_us
 from bench_flash_attention import load_kernel
 
 SECTIONS = ["host", "scaling", "options", "profile"]
@@ -68,18 +68,8 @@ GOAL = {"fwd": 1.10, "fwd+bwd": 1.15}  # issue 41: eager within 10% / 15% of gra
 
 def eager_us(fn, calls=EAGER_CALLS, runs=3):
     """Median over ``runs`` of the wall time per call of ``calls`` back-to-back calls, one
-    synchronisation after the last."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    synchronisation after the last (bench_decode.issue_and_wall_us; the first run warms up)."""
+    return statistics.median(issue_and_wall_us(fn, calls, warmup=10 if run == 0 else 0)[1] for run in range(runs))
 
 
 def graph_us(fn, calls=20, runs=5):
@@ -107,25 +97,10 @@ def graph_us(fn, calls=20, runs=5):
     return statistics.median(times)
 
 
-def kernel_us(fn, calls=20):
-    """GPU time per call from a torch.profiler trace: the summed durations of the kernels and
-    copies of ``calls`` calls (for a call that a CUDA graph cannot capture)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = [event for event in trace.events()
-              if event.device_type == DeviceType.CUDA and not event.name.startswith("Activity Buffer")]
-    return sum(event.time_range.elapsed_us() for event in events) / calls
-
-
 def timed(fn):
     """(eager us, GPU us), or None where ``fn`` raises (a peer without the shape). The GPU time is
-    graph_us's, or where the call cannot be captured kernel_us's (the row says so)."""
+    graph_us's, or where the call cannot be captured the summed kernel times of a profiler trace
+    (bench_decode.gpu_busy_us; a line printed above the row says so)."""
     try:
         fn()
         eager = eager_us(fn)
@@ -138,11 +113,7 @@ def timed(fn):
     except RuntimeError as error:
         print(f"  (not capturable, kernel time from the profiler instead: {error})")
         torch.cuda.synchronize()
-        UNCAPTURED.append(error)
-        return eager, kernel_us(fn)
-
-
-UNCAPTURED = []
+        return eager, gpu_busy_us(fn)
 
 
 def with_backward(forward, leaves):
