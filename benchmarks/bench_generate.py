@@ -36,9 +36,10 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():  # must precede the first import of triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench_decode import DEVICE, failure_reason, synchronize  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPO = "kernels-triton/flash-attention"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def use_local_build(build: Path) -> None:
@@ -71,11 +72,6 @@ def implementations(args) -> list:
     else:
         print("flash_attention_2: n/a (flash-attn is not installed)")
     return names
-
-
-def synchronize():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def generate_rows(model, args, report):
@@ -111,7 +107,7 @@ def _generate_rate(model, name, cache, prompt, args) -> str:
         new = (out.shape[1] - prompt.shape[1]) * prompt.shape[0]
         return f"{new / elapsed:.0f}"
     except Exception as error:  # noqa: BLE001 (a route this transformers or GPU cannot run: a cell, not a crash)
-        return f"n/a ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
+        return f"n/a ({failure_reason(error)})"
 
 
 def train_rows(model, args, report):
@@ -146,7 +142,7 @@ def _train_time(model, name, ids, args) -> str:
         ms = sorted(times)[len(times) // 2] * 1e3
         return f"{ms:.1f} ms, {ids.numel() / ms * 1e3:.0f} tok/s"
     except Exception as error:  # noqa: BLE001
-        return f"n/a ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
+        return f"n/a ({failure_reason(error)})"
 
 
 def _label(name: str) -> str:
