@@ -140,7 +140,9 @@ def test_fixed_config_steps_down_and_remembers(fa, launch, configs, monkeypatch)
     assert again.config == configs.TileConfig(16, 32, 4, 2)
 
 
-def test_out_of_resources_when_nothing_fits(launch, configs):
+def test_out_of_resources_when_nothing_fits(launch, configs, monkeypatch):
+    """Where no config fits, the error reaches the caller and no fallback is remembered."""
+    monkeypatch.setattr(launch, "_FITTED", {})
     plan = launch.TlLaunch("fwd", configs.TileConfig(32, 16, 4, 1), False, False, ("key",))
 
     def never(config, specialized):
@@ -148,6 +150,7 @@ def test_out_of_resources_when_nothing_fits(launch, configs):
 
     with pytest.warns(RuntimeWarning), pytest.raises(OutOfResources):
         launch.launch_fitting(plan, never)
+    assert not launch.any_refitted()
 
 
 @pytest.fixture

@@ -171,7 +171,7 @@ def launch_fitting(tl_launch: TlLaunch, launch: Callable[[TileConfig, bool], Non
     config, specialized = tl_launch.config, tl_launch.specialized
     while True:
         try:
-            return launch(config, specialized)
+            launch(config, specialized)
         except OutOfResources as error:
             smaller = config if specialized else smaller_config(config)
             if smaller is None:
@@ -180,7 +180,10 @@ def launch_fitting(tl_launch: TlLaunch, launch: Callable[[TileConfig, bool], Non
                           f"{'(warp-specialised) ' if specialized else ''}does not fit this GPU ({error}); "
                           f"trying {smaller} for this shape from now on", RuntimeWarning, stacklevel=3)
             config, specialized = smaller, False
-            _FITTED[tl_launch.fit_key] = config
+            continue
+        if config is not tl_launch.config or specialized != tl_launch.specialized:
+            _FITTED[tl_launch.fit_key] = config  # (only a config that launched)
+        return
 
 
 @functools.lru_cache(maxsize=None)

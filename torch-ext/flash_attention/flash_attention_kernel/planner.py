@@ -93,7 +93,10 @@ def plan_backward(options: AttentionOptions, layout: SequenceLayout, interpreted
     tensors = (q, k, v, dout)
     plan = _cached("bwd", options, layout, interpreted, tensors, lambda: _backward_plan(
         options, layout, interpreted, tensors))
-    return replace(plan, dq=_refitted_pass(plan.dq), dkdv=_refitted_pass(plan.dkdv)) if any_refitted() else plan
+    if not any_refitted():
+        return plan
+    dq, dkdv = _refitted_pass(plan.dq), _refitted_pass(plan.dkdv)
+    return plan if dq is plan.dq and dkdv is plan.dkdv else replace(plan, dq=dq, dkdv=dkdv)
 
 
 def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> BackwardPlan:
@@ -148,7 +151,8 @@ def _switches() -> tuple:
 def _refitted_pass(plan: PassPlan) -> PassPlan:
     if plan.tl is None or not any_refitted():
         return plan
-    return replace(plan, tl=refitted(plan.tl))
+    tl = refitted(plan.tl)
+    return plan if tl is plan.tl else replace(plan, tl=tl)
 
 
 def _pass_plan(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool,
