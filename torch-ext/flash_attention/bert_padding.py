@@ -5,6 +5,12 @@ packed (total_tokens, ...) tensor and returns the cu_seqlens / max_seqlen that
 ``flash_attn_varlen_func`` takes; ``pad_input`` scatters packed rows back, zero-filling padding.
 Both are plain differentiable PyTorch indexing (gradients flow through gather and scatter), so they
 also trace under torch.compile. ``unpad_input`` reads max_seqlen with one device-to-host copy.
+
+flash-attn's other helpers are here with its signatures, for code that imports them from
+``flash_attn.bert_padding`` (compat/): ``index_first_axis`` / ``index_put_first_axis`` (gather
+and scatter along dim 0), ``index_first_axis_residual`` (the gather and its detached input) and
+``unpad_input_for_concatenated_sequences`` (several samples packed into each row, their lengths in
+``attention_mask_in_length``).
 """
 
 import torch
@@ -25,13 +31,43 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
     max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    packed = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    packed = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
     return packed, indices, cu_seqlens, max_seqlen, seqused
+
+
+def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attention_mask_in_length: torch.Tensor):
+    """hidden_states (batch, seqlen, ...); attention_mask_in_length (batch, seqlen) ints: row b holds
+    the lengths of the samples packed one after another into row b, then zeros. Returns
+    (hidden_states (total_tokens, ...), indices, cu_seqlens int32 (samples + 1,), max_seqlen int),
+    one varlen sequence per sample."""
+    lengths = attention_mask_in_length.sum(dim=-1)
+    seqlen = attention_mask_in_length.shape[-1]
+    kept = torch.arange(seqlen, device=lengths.device) < lengths.unsqueeze(1)
+    sample_lengths = attention_mask_in_length.flatten()
+    sample_lengths = sample_lengths[sample_lengths != 0]
+    indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(sample_lengths.max().item()) if sample_lengths.numel() else 0
+    cu_seqlens = F.pad(torch.cumsum(sample_lengths, dim=0, dtype=torch.int32), (1, 0))
+    return index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices), indices, cu_seqlens, max_seqlen
+
+
+def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x[indices] for x of two or more dims (flash-attn's gather of tokens)."""
+    return x[indices]
+
+
+def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
+    """A (first_axis_dim, ...) tensor of zeros with ``values`` at rows ``indices``."""
+    return values.new_zeros(first_axis_dim, *values.shape[1:]).index_put((indices,), values)
+
+
+def index_first_axis_residual(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x[indices], x detached), as flash-attn's fused-dense path takes them."""
+    return x[indices], x.detach()
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """hidden_states (total_tokens, ...) and the indices from ``unpad_input``; returns
     (batch, seqlen, ...) with zeros at the padded positions."""
-    rest = hidden_states.shape[1:]
-    padded = hidden_states.new_zeros(batch * seqlen, *rest).index_put((indices,), hidden_states)
-    return padded.reshape(batch, seqlen, *rest)
+    padded = index_put_first_axis(hidden_states, indices, batch * seqlen)
+    return padded.reshape(batch, seqlen, *hidden_states.shape[1:])

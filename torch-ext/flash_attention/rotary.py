@@ -15,6 +15,11 @@ torch.compile; the in-place ones (``inplace=True``, ``apply_rotary_emb_qkv_``,
 flash-attn's module: it keeps cos/sin tables in the inputs' dtype, grown to the longest position
 seen, and rotates q and k in place; ``scale_base`` turns it into XPos (q scaled by
 scale^(t - n/2) / scale_base, k by its inverse).
+
+For code written against flash-attn's lower layers: ``apply_rotary`` is
+``flash_attn.ops.triton.rotary.apply_rotary`` (the kernel call alone, no autograd, ``conjugate``
+rotating by the opposite angle), and ``rotate_half`` / ``apply_rotary_emb_torch`` are
+flash-attn's PyTorch reference of the same rotation.
 """
 
 from typing import Optional, Union
@@ -105,6 +110,44 @@ def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim), got {shape}")
     apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, True, seqlen_offsets)
     return kv
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offsets: Union[int, torch.Tensor] = 0,
+                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                 interleaved: bool = False, inplace: bool = False, conjugate: bool = False) -> torch.Tensor:
+    """``apply_rotary_emb``'s rotation without autograd, rotating by minus the angle with
+    ``conjugate`` (flash-attn's ops.triton.rotary.apply_rotary, same arguments)."""
+    seqlen_offsets, max_seqlen = check_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, inplace)
+    offsets_tensor, offset = (seqlen_offsets, 0) if isinstance(seqlen_offsets, torch.Tensor) else (None, seqlen_offsets)
+    with torch.no_grad():
+        return run_rotary(bool(inplace), x, cos, sin, offsets_tensor, cu_seqlens, offset, max_seqlen, bool(interleaved),
+                          bool(conjugate))
+
+
+def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """(-x2, x1) of the halves (x1, x2) of the last dim, or of its even and odd features when
+    ``interleaved``: the rotation by 90 degrees of the reference below."""
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary_emb_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           interleaved: bool = False) -> torch.Tensor:
+    """The rotation in PyTorch ops (flash-attn's reference): x (batch, seqlen, nheads, headdim),
+    cos/sin (seqlen, rotary_dim / 2) or (batch, seqlen, rotary_dim / 2)."""
+    rotary_dim = cos.shape[-1] * 2
+    if rotary_dim > x.shape[-1]:
+        raise ValueError(f"cos/sin cover rotary_dim = {rotary_dim} features, more than x's head dim {x.shape[-1]}")
+
+    def per_feature(table):  # (..., rotary_dim / 2) -> (..., 1, rotary_dim), in the rotation's feature order
+        table = table.repeat_interleave(2, dim=-1) if interleaved else torch.cat((table, table), dim=-1)
+        return table.unsqueeze(-2)
+
+    rotated = x[..., :rotary_dim] * per_feature(cos) + rotate_half(x[..., :rotary_dim], interleaved) * per_feature(sin)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
 class RotaryEmbedding(torch.nn.Module):

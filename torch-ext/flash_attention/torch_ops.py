@@ -367,6 +367,22 @@ def run_op(name: str, *args):
     return _OPS[name][0](*tensors, layout, options, wrap_kernel=identity_wrap)
 
 
+def run_backward_into(grads: tuple, dout, q, k, v, out, softmax_lse, layout: tuple, options: AttentionOptions) -> None:
+    """The bwd op's gradients of q, k and v written into ``grads`` (dq, dk, dv: each None, to
+    drop that gradient, or a tensor shaped and typed like its input with a unit last stride), for
+    flash-attn's private backward (compat/entry_points.py), whose callers own the buffers. Eager
+    calls run the op body straight into them; a traced call runs the op and copies its results."""
+    tensors = [dout, q, k, v, out, softmax_lse, *(x for x in (*layout[:2], *options.tensors(), *grads) if x is not None)]
+    if _needs_dispatcher(tensors):
+        results = ops.bwd(dout, q, k, v, out, softmax_lse, None, *layout, *options.flatten())
+        for buffer, result in zip(grads, results):
+            if buffer is not None:
+                buffer.copy_(result)
+        return
+    buffers = tuple(x if x is not None else torch.empty_like(like) for x, like in zip(grads, (q, k, v)))
+    _bwd(dout, q, k, v, out, softmax_lse, None, layout, options, wrap_kernel=identity_wrap, grads=buffers)
+
+
 def run_attention(name: str, inputs: tuple, layout: tuple, options: AttentionOptions):
     """Forward op ``name`` (fwd, fwd_kvpacked, fwd_qkvpacked) on its tensors ``inputs`` with the
     sequence ``layout`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) and

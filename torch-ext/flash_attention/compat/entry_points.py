@@ -1,0 +1,257 @@
+"""flash-attn 2.8.3's private entry points, on this package's ops.
+
+Ring- and context-parallel engines (ring-flash-attn, yunchang, diffusers' context parallelism)
+drive flash-attn's kernels through ``flash_attn.flash_attn_interface``'s private functions rather
+than its autograd functions, because they run the forward once per block of keys and merge the
+blocks themselves. These are those functions, with flash-attn 2.8.3's names, parameters, defaults
+and results (callers read the parameter names with inspect and pass every argument by name):
+
+* ``_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+  window_size_right, softcap, alibi_slopes, return_softmax) -> (out, softmax_lse, S_dmask,
+  rng_state)`` on dense (batch, seqlen, heads, headdim) tensors; ``_flash_attn_varlen_forward``
+  on packed (total, heads, headdim) ones with cu_seqlens (and flash-attn's block_table for a
+  paged k/v). softmax_lse is fp32 in natural log, (batch, heads, seqlen_q) dense and
+  (heads, total_q) varlen. S_dmask is the probabilities with dropped entries negated where
+  return_softmax and dropout_p > 0 (flash-attn pads its last two dims to multiples of 128; these
+  are exact), else an empty tensor. rng_state is dropout's int64 (seed, offset) pair, to hand to
+  the backward (uninitialised without dropout, as flash-attn's).
+* ``_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+  causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+  rng_state=None) -> softmax_d`` writes the gradients into the caller's dq, dk, dv (None drops
+  one) and returns softmax_d = rowsum(dout * out) in fp32, laid out as flash-attn's: dense
+  (batch, heads, seqlen_q rounded up to 128), varlen (heads, total_q + 128 * batch) with sequence
+  b's rows from cu_seqlens_q[b] + 128 b; ``_flash_attn_varlen_backward`` likewise.
+
+The backward takes ``out`` and ``softmax_lse`` as given: where a ring passes the merged output and
+logsumexp of all its key blocks, the gradients are this block's share of the whole attention's
+(delta = rowsum(dout * out) over the merged out; P = exp(scores - merged lse)), which is what the
+engines sum. So the backward refuses fp32, as flash-attn does: its fp32 path derives delta from
+this call's own probabilities (docs/design.md), which a merged out would contradict. Dropout
+needs the forward's rng_state in the backward (the engines that do not carry it get a ValueError
+instead of a different mask). ``deterministic`` is accepted and ignored: the backward has no
+atomics, so it is always deterministic. ``zero_tensors`` is accepted and ignored (every output row
+is written). ``leftpad_k`` and ``seqused_k`` are not supported (NotImplementedError).
+
+``_wrapped_flash_attn_*`` are the names flash-attn 2.8 gives its torch.library custom ops; here
+they are the same functions, which trace under torch.compile through this package's own ops.
+"""
+
+from typing import Optional
+
+import torch
+
+from ..checks import _per_head_tensor, check_paged_kv, check_qkv, check_varlen, checked_attention_options
+from ..interface import DENSE, NO_LAYOUT, VARLEN
+from ..torch_ops import run_attention, run_backward_into, run_op
+
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn 2.8.3's dense forward: (out, softmax_lse, S_dmask, rng_state), module docstring."""
+    check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
+    _check_dtype(q)
+    return _forward(q, k, v, NO_LAYOUT, q.shape[0], dropout_p, softmax_scale, causal, window_size_left,
+                    window_size_right, softcap, alibi_slopes, return_softmax)
+
+
+def _flash_attn_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn 2.8.3's varlen forward: (out, softmax_lse, S_dmask, rng_state), module docstring."""
+    _refuse_unsupported(leftpad_k=leftpad_k, seqused_k=seqused_k)
+    if block_table is not None:
+        max_seqlens = check_paged_kv(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     dropout_p)
+    else:
+        check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
+        max_seqlens = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    _check_dtype(q)
+    layout = (cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table)
+    return _forward(q, k, v, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal, window_size_left,
+                    window_size_right, softcap, alibi_slopes, return_softmax)
+
+
+def _flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """flash-attn 2.8.3's dense backward into dq, dk, dv; returns softmax_d (module docstring)."""
+    check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
+    _check_dtype(q)
+    batch, seqlen_q, heads, _ = q.shape
+    _check_backward_tensors(dout, out, softmax_lse, (batch, heads, seqlen_q), q, (dq, dk, dv), (q, k, v))
+    _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), NO_LAYOUT, batch, dropout_p, softmax_scale, causal,
+              window_size_left, window_size_right, softcap, alibi_slopes, rng_state)
+    rounded = -(-seqlen_q // 128) * 128
+    softmax_d = q.new_zeros((batch, heads, rounded), dtype=torch.float32)
+    softmax_d[:, :, :seqlen_q] = _row_dot(dout, out).transpose(1, 2)
+    return softmax_d
+
+
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> torch.Tensor:
+    """flash-attn 2.8.3's varlen backward into dq, dk, dv; returns softmax_d (module docstring)."""
+    check_qkv(q, k, v, VARLEN, heads_axis=1, dense=False)
+    max_seqlens = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    _check_dtype(q)
+    total_q, heads, _ = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    _check_backward_tensors(dout, out, softmax_lse, (heads, total_q), q, (dq, dk, dv), (q, k, v))
+    _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), (cu_seqlens_q, cu_seqlens_k, *max_seqlens, None), batch,
+              dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, rng_state)
+    # sequence b's rows start at cu_seqlens_q[b] + 128 b in flash-attn's softmax_d
+    sequence = torch.searchsorted(cu_seqlens_q, torch.arange(total_q, device=q.device, dtype=cu_seqlens_q.dtype),
+                                  right=True) - 1
+    softmax_d = q.new_zeros((heads, total_q + 128 * batch), dtype=torch.float32)
+    softmax_d[:, torch.arange(total_q, device=q.device) + 128 * sequence] = _row_dot(dout, out).t()
+    return softmax_d
+
+
+_wrapped_flash_attn_forward = _flash_attn_forward
+_wrapped_flash_attn_varlen_forward = _flash_attn_varlen_forward
+_wrapped_flash_attn_backward = _flash_attn_backward
+_wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
+
+
+def _forward(q, k, v, layout, batch, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+             alibi_slopes, return_softmax):
+    options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal,
+                                        (window_size_left, window_size_right), _softcap(softcap), alibi_slopes, None)
+    with torch.no_grad():
+        out, softmax_lse = run_attention("fwd", (q, k, v), layout, options)
+        if return_softmax and options.dropout_p > 0:
+            s_dmask = run_op("probs", q, k, softmax_lse, *layout, *options.flatten())
+        else:
+            s_dmask = q.new_empty((0,))
+    rng_state = options.rng_state if options.rng_state is not None else q.new_empty((2,), dtype=torch.int64)
+    return out, softmax_lse, s_dmask, rng_state
+
+
+def _backward(dout, q, k, v, out, softmax_lse, grads, layout, batch, dropout_p, softmax_scale, causal,
+              window_size_left, window_size_right, softcap, alibi_slopes, rng_state):
+    options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal,
+                                        (window_size_left, window_size_right), _softcap(softcap), alibi_slopes, None)
+    if options.dropout_p > 0:
+        if rng_state is None:
+            raise ValueError("rng_state: a backward with dropout_p > 0 needs the rng_state its forward returned "
+                             "(the 4th result of _flash_attn_forward), to regenerate the same dropout mask")
+        rng_state = _per_head_tensor("rng_state", rng_state, q, {"(2,)": (2,)}, (torch.int64,), "torch.int64")
+        options = options.with_tensors((options.alibi_slopes, None, rng_state))
+    with torch.no_grad():
+        run_backward_into(grads, dout, q, k, v, out, softmax_lse, layout, options)
+
+
+def _check_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in FLASH_ATTN_DTYPES:
+        raise TypeError(f"q, k, v must be float16 or bfloat16 in flash-attn's private entry points, got {q.dtype} "
+                        f"(fp32 runs through flash_attn_func and flash_attn_varlen_func)")
+
+
+def _check_backward_tensors(dout, out, softmax_lse, lse_shape, q, grads, inputs) -> None:
+    for name, x in (("dout", dout), ("out", out)):
+        if not isinstance(x, torch.Tensor) or x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must be a tensor shaped and typed like q ({tuple(q.shape)}, {q.dtype}, "
+                             f"{q.device}), got {_describe(x)}")
+    if (not isinstance(softmax_lse, torch.Tensor) or tuple(softmax_lse.shape) != lse_shape
+            or softmax_lse.dtype != torch.float32 or softmax_lse.device != q.device):
+        raise ValueError(f"softmax_lse must be a float32 tensor of shape {lse_shape} on {q.device}, "
+                         f"got {_describe(softmax_lse)}")
+    for name, grad, x in zip(("dq", "dk", "dv"), grads, inputs):
+        if grad is None:
+            continue
+        if (not isinstance(grad, torch.Tensor) or grad.shape != x.shape or grad.dtype != x.dtype
+                or grad.device != x.device or grad.stride(-1) != 1):
+            raise ValueError(f"{name} must be None or a tensor shaped and typed like its input "
+                             f"({tuple(x.shape)}, {x.dtype}, {x.device}) with a unit last stride, got {_describe(grad)}")
+
+
+def _describe(x) -> str:
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    return f"{tuple(x.shape)}, {x.dtype}, {x.device}, strides {x.stride()}"
+
+
+def _refuse_unsupported(**tensors) -> None:
+    for name, x in tensors.items():
+        if x is not None:
+            raise NotImplementedError(f"{name} is not supported by this kernel's _flash_attn_varlen_forward (flash-attn "
+                                      f"2.8.3's varlen forward takes it); pass None")
+
+
+def _softcap(softcap) -> float:
+    return 0.0 if softcap is None else softcap  # (yunchang passes None for "off")
+
+
+def _row_dot(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """rowsum(dout * out) over the head dim, in fp32: (..., heads)."""
+    return torch.einsum("...d,...d->...", dout.float(), out.float())
