@@ -1,0 +1,204 @@
+"""Context-parallel engines on this package standing in for flash-attn: one worker per rank.
+
+``run_ranks(case, build_dir, world_size)`` starts ``world_size`` processes (spawned; each inherits
+the test process's environment, so TRITON_INTERPRET too), joins them in a torch.distributed group
+(NCCL over one GPU per rank where there are enough GPUs, else gloo on the CPU through Triton's
+interpreter), and runs ``case`` in each: the engine on the rank's shard of one random problem,
+against the whole problem on this rank alone. Each rank checks its shard of the output and of
+every gradient against the float64 truth within the project's error bars (2x PyTorch's error in
+the same dtype forward, 3x backward) and against single-process ``flash_attn_func``; it reports
+"ok" or its traceback in a file, which the test reads.
+
+Cases (CASES): ring-flash-attn's ``ring_flash_attn_func`` (full and causal),
+``zigzag_ring_flash_attn_func`` and ``llama3_flash_attn_varlen_func`` (packed sequences, the
+all-gather scheme), and yunchang's ``UlyssesAttention`` and ``LongContextAttention`` with its
+ring (ring degree 2), each with GQA (4 query heads, 2 key/value heads) in bf16.
+"""
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+SEQLEN, HEADS, HEADS_KV, HEAD_DIM = 64, 4, 2, 32  # per sequence, whole problem (every rank holds SEQLEN / world)
+VARLEN_LENGTHS = [20, 30, 14]  # packed sequences of the varlen case, 64 tokens in all
+CASES = ["ring", "ring_causal", "zigzag_causal", "llama3_varlen_causal", "ulysses_causal", "usp_ring_causal"]
+
+
+def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float = 900) -> dict:
+    """{rank: "ok" or the rank's traceback} of ``case`` on ``world_size`` spawned ranks."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as results, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        context = mp.start_processes(_rank_main, args=(world_size, port, str(build_dir), case, results),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{case}: the ranks did not finish in {timeout_s} s")
+        return {rank: (Path(results) / f"{rank}.txt").read_text() for rank in range(world_size)}
+
+
+def _rank_main(rank: int, world_size: int, port: int, build_dir: str, case: str, results: str) -> None:
+    try:
+        report = "ok"
+        _run_case(rank, world_size, port, build_dir, case)
+    except BaseException:  # (reported to the test; the rank exits normally so the others are not torn down)
+        report = traceback.format_exc()
+    Path(results, f"{rank}.txt").write_text(report)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) -> None:
+    import kernels
+    import torch.distributed as dist
+
+    on_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
+        and torch.cuda.device_count() >= world_size
+    device = torch.device(f"cuda:{rank}") if on_gpus else torch.device("cpu")
+    if on_gpus:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    fa = kernels.get_local_kernel(Path(build_dir))
+    fa.install_as_flash_attn()
+    dtype = torch.bfloat16
+    generator = torch.Generator().manual_seed(0)  # (every rank draws the same whole problem)
+    tokens = sum(VARLEN_LENGTHS) if case.startswith("llama3") else SEQLEN
+    q, k, v, dout = (torch.randn(1, tokens, heads, HEAD_DIM, generator=generator).to(device, dtype)
+                     for heads in (HEADS, HEADS_KV, HEADS_KV, HEADS))
+    causal = "causal" in case
+    scale = HEAD_DIM ** -0.5
+    shard, run = _ENGINES[case.rsplit("_causal", 1)[0]](rank, world_size, causal, scale)
+    local = [shard(x).detach().clone().requires_grad_(x is not dout) for x in (q, k, v, dout)]
+    out = run(*local[:3])
+    grads = torch.autograd.grad(out, local[:3], local[3])
+    _check(fa, case, shard, (q, k, v, dout), out, grads, causal, scale)
+
+
+def _check(fa, case, shard, inputs, out, grads, causal, scale) -> None:
+    """The rank's shard of out and of each gradient against the whole problem: within the error
+    bars of the float64 truth, and as close to single-process flash_attn_func as that allows."""
+    from reference import assert_within_bar, run_ref, run_varlen_ref
+
+    q, k, v, dout = inputs
+    if case.startswith("llama3"):
+        cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+        flat = [x[0] for x in inputs]
+        truth, truth_grads, _ = run_varlen_ref(*flat[:3], flat[3], cu, cu, causal, scale, torch.float64)
+        same, same_grads, _ = run_varlen_ref(*flat[:3], flat[3], cu, cu, causal, scale, q.dtype)
+        truth, same = truth[None], same[None]
+        truth_grads, same_grads = [g[None] for g in truth_grads], [g[None] for g in same_grads]
+        leaves = [x[0].detach().requires_grad_() for x in (q, k, v)]
+        single = fa.flash_attn_varlen_func(*leaves, cu, cu, max(VARLEN_LENGTHS), max(VARLEN_LENGTHS),
+                                           softmax_scale=scale, causal=causal)
+        single_grads = [g[None] for g in torch.autograd.grad(single, leaves, flat[3])]
+        single = single[None]
+    else:
+        truth, truth_grads = run_ref(q, k, v, dout, causal, scale, torch.float64)
+        same, same_grads = run_ref(q, k, v, dout, causal, scale, q.dtype)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        single = fa.flash_attn_func(*leaves, softmax_scale=scale, causal=causal)
+        single_grads = torch.autograd.grad(single, leaves, dout)
+    assert_within_bar(f"{case} out", out, shard(same), shard(truth), 2)
+    assert_within_bar(f"{case} out against flash_attn_func", out, shard(same), shard(single), 2)
+    for name, ours, pytorch, exact, one_gpu in zip(("dq", "dk", "dv"), grads, same_grads, truth_grads, single_grads):
+        assert_within_bar(f"{case} {name}", ours, shard(pytorch), shard(exact), 3)
+        assert_within_bar(f"{case} {name} against flash_attn_func", ours, shard(pytorch), shard(one_gpu), 3)
+
+
+def _ring_flash_attn():
+    """ring_flash_attn, importable under transformers 5: its package imports its transformers
+    adapter, which takes ``is_flash_attn_greater_or_equal_2_10`` from
+    transformers.modeling_flash_attention_utils, where transformers 5 no longer has it
+    (transformers.utils still does). The name is put back there in this process; the engine's own
+    code runs unchanged."""
+    try:
+        import transformers.modeling_flash_attention_utils as utils
+        from transformers.utils import is_flash_attn_greater_or_equal_2_10
+    except ImportError:  # (no transformers, or one whose adapter import works as it is)
+        pass
+    else:
+        if not hasattr(utils, "is_flash_attn_greater_or_equal_2_10"):
+            utils.is_flash_attn_greater_or_equal_2_10 = is_flash_attn_greater_or_equal_2_10
+    import ring_flash_attn
+
+    return ring_flash_attn
+
+
+def _ring(rank, world_size, causal, scale):
+    ring_flash_attn_func = _ring_flash_attn().ring_flash_attn_func
+
+    return (lambda x: x.chunk(world_size, dim=1)[rank],
+            lambda q, k, v: ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
+
+
+def _zigzag(rank, world_size, causal, scale):
+    zigzag_ring_flash_attn_func = _ring_flash_attn().zigzag_ring_flash_attn_func
+
+    def shard(x):  # chunks rank and 2 world - 1 - rank of 2 world, balancing the causal work
+        chunks = x.chunk(2 * world_size, dim=1)
+        return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=1)
+
+    return shard, lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+
+def _llama3_varlen(rank, world_size, causal, scale):
+    engine = _ring_flash_attn()
+    llama3_flash_attn_prepare_cu_seqlens = engine.llama3_flash_attn_prepare_cu_seqlens
+    llama3_flash_attn_varlen_func = engine.llama3_flash_attn_varlen_func
+
+    tokens = sum(VARLEN_LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl" \
+        else torch.device("cpu")
+    cu_q, cu_k, max_q, max_k, local_k_slice = llama3_flash_attn_prepare_cu_seqlens(cu.to(device), causal, rank,
+                                                                                   world_size)
+    per_rank = tokens // world_size
+
+    def run(q, k, v):
+        return llama3_flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, heads_k_stride=1,
+                                             local_k_slice=local_k_slice, softmax_scale=scale, causal=causal)[None]
+
+    return lambda x: x[:, rank * per_rank:(rank + 1) * per_rank], run
+
+
+def _ulysses(rank, world_size, causal, scale):
+    """yunchang's UlyssesAttention: all-to-all from sequence shards to head shards, flash_attn_func
+    on the whole sequence of this rank's heads, and back."""
+    import torch.distributed as dist
+    from yunchang import UlyssesAttention, basic_extract_local
+    from yunchang.kernels import AttnType
+
+    attention = UlyssesAttention(dist.group.WORLD, attn_type=AttnType.FA)
+    return (lambda x: basic_extract_local(x, rank, world_size),
+            lambda q, k, v: attention(q, k, v, softmax_scale=scale, causal=causal))
+
+
+def _usp_ring(rank, world_size, causal, scale):
+    """yunchang's LongContextAttention (USP) with ring degree = world size: its own ring over the
+    private entry points. (Ulysses degree 1: a ring of one rank would send to itself, which gloo
+    cannot; NCCL can, and yunchang's own scripts run that hybrid on GPUs.)"""
+    from yunchang import LongContextAttention, basic_extract_local, set_seq_parallel_pg
+    from yunchang.kernels import AttnType
+
+    set_seq_parallel_pg(1, world_size, rank, world_size)
+    attention = LongContextAttention(ring_impl_type="basic", attn_type=AttnType.FA)
+    return (lambda x: basic_extract_local(x, rank, world_size),
+            lambda q, k, v: attention(q, k, v, softmax_scale=scale, causal=causal))
+
+
+_ENGINES = {"ring": _ring, "zigzag": _zigzag, "llama3_varlen": _llama3_varlen, "ulysses": _ulysses,
+            "usp_ring": _usp_ring}

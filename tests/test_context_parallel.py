@@ -1,0 +1,17 @@
+"""Long context across ranks on the engines people use, with this package standing in for
+flash-attn (install_as_flash_attn): ring-flash-attn (ring, zigzag ring, llama3 varlen) and
+yunchang (Ulysses, its ring), two ranks, no change to the engines' code. Every rank's shard of the
+output and of every gradient is checked against the whole problem on one rank (context_parallel.py
+says how). Two GPUs run it over NCCL; elsewhere two CPU processes over gloo, through Triton's
+interpreter."""
+
+import pytest
+
+from context_parallel import CASES, run_ranks
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_engine_on_two_ranks_matches_one(build_dir, case):
+    reports = run_ranks(case, build_dir, world_size=2)
+    failures = {rank: report for rank, report in reports.items() if report != "ok"}
+    assert not failures, "\n".join(f"rank {rank}:\n{report}" for rank, report in failures.items())
