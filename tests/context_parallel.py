@@ -11,10 +11,12 @@ the same dtype forward, 3x backward) and against single-process ``flash_attn_fun
 
 Cases (CASES): ring-flash-attn's ``ring_flash_attn_func`` (full and causal),
 ``zigzag_ring_flash_attn_func`` and ``llama3_flash_attn_varlen_func`` (packed sequences, the
-all-gather scheme), and yunchang's ``UlyssesAttention`` and ``LongContextAttention`` with its
-ring (ring degree 2), each with GQA (4 query heads, 2 key/value heads) in bf16.
+all-gather scheme), yunchang's ``UlyssesAttention`` and ``LongContextAttention`` with its ring
+(ring degree 2), and PyTorch's own ``context_parallel`` through the experimental
+``kernels_in_torch_context_parallel`` (SDPA's call, GQA by repeated k and v), each with GQA (4 query heads, 2 key/value heads) in bf16.
 """
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -26,7 +28,8 @@ import torch
 
 SEQLEN, HEADS, HEADS_KV, HEAD_DIM = 64, 4, 2, 32  # per sequence, whole problem (every rank holds SEQLEN / world)
 VARLEN_LENGTHS = [20, 30, 14]  # packed sequences of the varlen case, 64 tokens in all
-CASES = ["ring", "ring_causal", "zigzag_causal", "llama3_varlen_causal", "ulysses_causal", "usp_ring_causal"]
+CASES = ["ring", "ring_causal", "zigzag_causal", "llama3_varlen_causal", "ulysses_causal", "usp_ring_causal",
+         "torch_cp_causal"]
 
 
 def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float = 900) -> dict:
@@ -81,10 +84,11 @@ def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) 
                      for heads in (HEADS, HEADS_KV, HEADS_KV, HEADS))
     causal = "causal" in case
     scale = HEAD_DIM ** -0.5
-    shard, run = _ENGINES[case.rsplit("_causal", 1)[0]](rank, world_size, causal, scale)
+    shard, run = _ENGINES[case.rsplit("_causal", 1)[0]](fa, rank, world_size, causal, scale)
     local = [shard(x).detach().clone().requires_grad_(x is not dout) for x in (q, k, v, dout)]
-    out = run(*local[:3])
-    grads = torch.autograd.grad(out, local[:3], local[3])
+    with getattr(run, "context", contextlib.nullcontext)():  # (what the backward must run in as well)
+        out = run(*local[:3])
+        grads = torch.autograd.grad(out, local[:3], local[3])
     _check(fa, case, shard, (q, k, v, dout), out, grads, causal, scale)
 
 
@@ -138,24 +142,31 @@ def _ring_flash_attn():
     return ring_flash_attn
 
 
-def _ring(rank, world_size, causal, scale):
+def _ring(fa, rank, world_size, causal, scale):
     ring_flash_attn_func = _ring_flash_attn().ring_flash_attn_func
 
     return (lambda x: x.chunk(world_size, dim=1)[rank],
             lambda q, k, v: ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
 
 
-def _zigzag(rank, world_size, causal, scale):
+def _zigzag(fa, rank, world_size, causal, scale):
     zigzag_ring_flash_attn_func = _ring_flash_attn().zigzag_ring_flash_attn_func
 
-    def shard(x):  # chunks rank and 2 world - 1 - rank of 2 world, balancing the causal work
+    return (_head_tail_shard(rank, world_size),
+            lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
+
+
+def _head_tail_shard(rank, world_size):
+    """The rank's chunks rank and 2 world - 1 - rank of 2 world along the sequence, which balance
+    the causal work (zigzag's order, and torch's head-tail load balancer's)."""
+    def shard(x):
         chunks = x.chunk(2 * world_size, dim=1)
         return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=1)
 
-    return shard, lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+    return shard
 
 
-def _llama3_varlen(rank, world_size, causal, scale):
+def _llama3_varlen(fa, rank, world_size, causal, scale):
     engine = _ring_flash_attn()
     llama3_flash_attn_prepare_cu_seqlens = engine.llama3_flash_attn_prepare_cu_seqlens
     llama3_flash_attn_varlen_func = engine.llama3_flash_attn_varlen_func
@@ -175,7 +186,7 @@ def _llama3_varlen(rank, world_size, causal, scale):
     return lambda x: x[:, rank * per_rank:(rank + 1) * per_rank], run
 
 
-def _ulysses(rank, world_size, causal, scale):
+def _ulysses(fa, rank, world_size, causal, scale):
     """yunchang's UlyssesAttention: all-to-all from sequence shards to head shards, flash_attn_func
     on the whole sequence of this rank's heads, and back."""
     import torch.distributed as dist
@@ -187,7 +198,7 @@ def _ulysses(rank, world_size, causal, scale):
             lambda q, k, v: attention(q, k, v, softmax_scale=scale, causal=causal))
 
 
-def _usp_ring(rank, world_size, causal, scale):
+def _usp_ring(fa, rank, world_size, causal, scale):
     """yunchang's LongContextAttention (USP) with ring degree = world size: its own ring over the
     private entry points. (Ulysses degree 1: a ring of one rank would send to itself, which gloo
     cannot; NCCL can, and yunchang's own scripts run that hybrid on GPUs.)"""
@@ -200,5 +211,38 @@ def _usp_ring(rank, world_size, causal, scale):
             lambda q, k, v: attention(q, k, v, softmax_scale=scale, causal=causal))
 
 
+def _torch_cp(fa, rank, world_size, causal, scale):
+    """PyTorch's context_parallel with this package's kernel at each ring step
+    (kernels_in_torch_context_parallel, experimental): SDPA on the rank's shards in torch's
+    head-tail load-balanced order (chunks rank and 2 world - 1 - rank), GQA by repeating k and v."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device_type = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (world_size,))
+    shard = _head_tail_shard(rank, world_size)
+
+    # the sequence's positions as context_parallel's buffer: it shards them as it would the model's
+    # inputs, which shows that the shards are in its order
+    positions = torch.arange(SEQLEN, device=device_type)[None]
+
+    @contextlib.contextmanager
+    def context():  # (the backward runs inside it too, as torch's context_parallel requires)
+        with fa.kernels_in_torch_context_parallel(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]), \
+                context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1]):
+            assert torch.equal(positions, shard(torch.arange(SEQLEN, device=device_type)[None]))
+            yield
+
+    def run(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        q, k, v = q.transpose(1, 2), *(x.repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(1, 2)
+
+    run.context = context
+    return shard, run
+
+
 _ENGINES = {"ring": _ring, "zigzag": _zigzag, "llama3_varlen": _llama3_varlen, "ulysses": _ulysses,
-            "usp_ring": _usp_ring}
+            "usp_ring": _usp_ring, "torch_cp": _torch_cp}

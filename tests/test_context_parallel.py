@@ -1,6 +1,7 @@
 """Long context across ranks on the engines people use, with this package standing in for
-flash-attn (install_as_flash_attn): ring-flash-attn (ring, zigzag ring, llama3 varlen) and
-yunchang (Ulysses, its ring), two ranks, no change to the engines' code. Every rank's shard of the
+flash-attn (install_as_flash_attn): ring-flash-attn (ring, zigzag ring, llama3 varlen),
+yunchang (Ulysses, its ring) and, experimental, PyTorch's context_parallel running this kernel
+(kernels_in_torch_context_parallel), two ranks, no change to the engines' code. Every rank's shard of the
 output and of every gradient is checked against the whole problem on one rank (context_parallel.py
 says how). Two GPUs run it over NCCL; elsewhere two CPU processes over gloo, through Triton's
 interpreter."""

@@ -30,11 +30,16 @@ does not pass; transformers uses this package through its Hub route instead (REA
 ``install_as_flash_attn`` refuses when a real flash-attn is already imported (``replace=True`` takes
 its place in sys.modules; modules that imported it keep their references), and is idempotent.
 ``uninstall_flash_attn`` removes what it registered.
+
+``kernels_in_torch_context_parallel`` (torch_context_parallel.py, experimental) makes PyTorch's own
+``context_parallel`` run this package's kernel at every ring step.
 """
 
 import importlib.machinery
 import sys
 import types
+
+from .torch_context_parallel import kernels_in_torch_context_parallel
 
 FLASH_ATTN_VERSION = "2.8.3"
 _MARK = "__flash_attention_drop_in__"  # set on every module this installs
