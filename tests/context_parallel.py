@@ -13,7 +13,9 @@ Cases (CASES): ring-flash-attn's ``ring_flash_attn_func`` (full and causal),
 ``zigzag_ring_flash_attn_func`` and ``llama3_flash_attn_varlen_func`` (packed sequences, the
 all-gather scheme), yunchang's ``UlyssesAttention`` and ``LongContextAttention`` with its ring
 (ring degree 2), and PyTorch's own ``context_parallel`` through the experimental
-``kernels_in_torch_context_parallel`` (SDPA's call, GQA by repeated k and v), each with GQA (4 query heads, 2 key/value heads) in bf16.
+``kernels_in_torch_context_parallel`` (SDPA's call, GQA by repeated k and v), each with GQA
+(4 query heads, 2 key/value heads) in bf16; and ``ring_dropout``: ring-flash-attn with dropout,
+whose backward (no rng_state per step) must be refused with a ValueError naming rng_state.
 """
 
 import contextlib
@@ -29,7 +31,7 @@ import torch
 SEQLEN, HEADS, HEADS_KV, HEAD_DIM = 64, 4, 2, 32  # per sequence, whole problem (every rank holds SEQLEN / world)
 VARLEN_LENGTHS = [20, 30, 14]  # packed sequences of the varlen case, 64 tokens in all
 CASES = ["ring", "ring_causal", "zigzag_causal", "llama3_varlen_causal", "ulysses_causal", "usp_ring_causal",
-         "torch_cp_causal"]
+         "torch_cp_causal", "ring_dropout"]
 
 
 def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float = 900) -> dict:
@@ -86,6 +88,16 @@ def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) 
     scale = HEAD_DIM ** -0.5
     shard, run = _ENGINES[case.rsplit("_causal", 1)[0]](fa, rank, world_size, causal, scale)
     local = [shard(x).detach().clone().requires_grad_(x is not dout) for x in (q, k, v, dout)]
+    if case == "ring_dropout":  # what a ring cannot carry: each step's dropout mask in the backward
+        import re
+
+        try:
+            torch.autograd.grad(run(*local[:3]), local[:3], local[3])
+        except ValueError as error:
+            if re.search("rng_state: a backward with dropout_p > 0 needs the rng_state", str(error)):
+                return
+            raise
+        raise AssertionError("ring_flash_attn_func with dropout: the backward did not refuse the missing rng_state")
     with getattr(run, "context", contextlib.nullcontext)():  # (what the backward must run in as well)
         out = run(*local[:3])
         grads = torch.autograd.grad(out, local[:3], local[3])
@@ -154,6 +166,12 @@ def _zigzag(fa, rank, world_size, causal, scale):
 
     return (_head_tail_shard(rank, world_size),
             lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
+
+
+def _ring_dropout(fa, rank, world_size, causal, scale):
+    ring_flash_attn_func = _ring_flash_attn().ring_flash_attn_func
+    return (lambda x: x.chunk(world_size, dim=1)[rank],
+            lambda q, k, v: ring_flash_attn_func(q, k, v, dropout_p=0.1, softmax_scale=scale, causal=causal))
 
 
 def _head_tail_shard(rank, world_size):
@@ -245,4 +263,5 @@ def _torch_cp(fa, rank, world_size, causal, scale):
 
 
 _ENGINES = {"ring": _ring, "zigzag": _zigzag, "llama3_varlen": _llama3_varlen, "ulysses": _ulysses,
-            "usp_ring": _usp_ring, "torch_cp": _torch_cp}
+            "usp_ring": _usp_ring, "torch_cp": _torch_cp,
+            "ring_dropout": _ring_dropout}

@@ -152,6 +152,30 @@ def test_forward_and_backward_contract(fa, flash_attn):
     assert torch.equal(dk, grads[1])
 
 
+@pytest.mark.parametrize("options", [dict(window_size=(9, 3)), dict(softcap=4.0, causal=True),
+                                     dict(alibi_slopes=True, causal=True)], ids=["window", "softcap", "alibi"])
+def test_options_reach_the_kernels(fa, flash_attn, options):
+    """window_size_left/right, softcap and alibi_slopes mean what flash_attn_func's options mean:
+    same outputs and gradients, bitwise."""
+    interface = _private(flash_attn)
+    q, k, v = random_qkv((1, 50, 4, 32), (1, 61, 2, 32), dtype=BF16, requires_grad=True)
+    options = dict(options)
+    if options.get("alibi_slopes"):
+        options["alibi_slopes"] = torch.rand(4, device=q.device, dtype=torch.float32)
+    left, right = options.get("window_size", (-1, -1))
+    causal, softcap, slopes = options.get("causal", False), options.get("softcap", 0.0), options.get("alibi_slopes")
+    out, lse, _, _ = interface._flash_attn_forward(q, k, v, 0.0, 0.2, causal, left, right, softcap, slopes, False)
+    ref_out, ref_lse, _ = fa.flash_attn_func(q, k, v, softmax_scale=0.2, return_attn_probs=True, **options)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    buffers = [torch.empty_like(x) for x in (q, k, v)]
+    interface._flash_attn_backward(dout, q, k, v, out, lse, *buffers, 0.0, 0.2, causal, left, right, softcap, slopes,
+                                   False)
+    for ours, theirs in zip(buffers, grads):
+        assert torch.equal(ours, theirs)
+
+
 def test_varlen_contract(fa, flash_attn):
     interface = _private(flash_attn)
     lengths_q, lengths_k = [17, 1, 40], [30, 5, 40]
