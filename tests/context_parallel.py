@@ -135,7 +135,7 @@ def _check(fa, case, shard, inputs, out, grads, causal, scale) -> None:
         assert_within_bar(f"{case} {name} against flash_attn_func", ours, shard(pytorch), shard(one_gpu), 3)
 
 
-def _ring_flash_attn():
+def import_ring_flash_attn():
     """ring_flash_attn, importable under transformers 5: its package imports its transformers
     adapter, which takes ``is_flash_attn_greater_or_equal_2_10`` from
     transformers.modeling_flash_attention_utils, where transformers 5 no longer has it
@@ -155,21 +155,21 @@ def _ring_flash_attn():
 
 
 def _ring(fa, rank, world_size, causal, scale):
-    ring_flash_attn_func = _ring_flash_attn().ring_flash_attn_func
+    ring_flash_attn_func = import_ring_flash_attn().ring_flash_attn_func
 
     return (lambda x: x.chunk(world_size, dim=1)[rank],
             lambda q, k, v: ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
 
 
 def _zigzag(fa, rank, world_size, causal, scale):
-    zigzag_ring_flash_attn_func = _ring_flash_attn().zigzag_ring_flash_attn_func
+    zigzag_ring_flash_attn_func = import_ring_flash_attn().zigzag_ring_flash_attn_func
 
     return (_head_tail_shard(rank, world_size),
             lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
 
 
 def _ring_dropout(fa, rank, world_size, causal, scale):
-    ring_flash_attn_func = _ring_flash_attn().ring_flash_attn_func
+    ring_flash_attn_func = import_ring_flash_attn().ring_flash_attn_func
     return (lambda x: x.chunk(world_size, dim=1)[rank],
             lambda q, k, v: ring_flash_attn_func(q, k, v, dropout_p=0.1, softmax_scale=scale, causal=causal))
 
@@ -185,7 +185,7 @@ def _head_tail_shard(rank, world_size):
 
 
 def _llama3_varlen(fa, rank, world_size, causal, scale):
-    engine = _ring_flash_attn()
+    engine = import_ring_flash_attn()
     llama3_flash_attn_prepare_cu_seqlens = engine.llama3_flash_attn_prepare_cu_seqlens
     llama3_flash_attn_varlen_func = engine.llama3_flash_attn_varlen_func
 
