@@ -77,6 +77,13 @@ def test_module_layout(fa, flash_attn):
 
     assert importlib.util.find_spec("flash_attn").name == "flash_attn"
     assert flash_attn.layers.rotary is sys.modules["flash_attn.layers.rotary"]
+    # the same module on the loaded kernel, where diffusers' FLASH_HUB backend looks the entry points up
+    for name in fa.flash_attn_interface.__all__:
+        assert getattr(fa.flash_attn_interface, name) is getattr(flash_attn_interface, name)
+    assert fa.flash_attn_interface._wrapped_flash_attn_backward is flash_attn_interface._flash_attn_backward
+    from flash_attn.layers.rotary import apply_rotary_emb_func  # (an older name Qwen-style code imports)
+
+    assert apply_rotary_emb_func is fa.apply_rotary_emb
 
 
 @pytest.mark.parametrize("name", list(SIGNATURES))
@@ -217,6 +224,49 @@ def test_dropout_needs_the_forwards_rng_state(fa, flash_attn):
         assert torch.equal(ours, theirs)
     with pytest.raises(ValueError, match="rng_state"):
         interface._flash_attn_backward(dout, q, k, v, out, lse, *buffers, 0.2, 0.2, False, -1, -1, 0.0, None, False)
+    # the backward draws nothing from the generator, and its softmax_d is flash-attn's: rowsum(dout * out)
+    # times the keep probability
+    before = _generator_state(q.device)
+    softmax_d = interface._flash_attn_backward(dout, q, k, v, out, lse, *buffers, 0.2, 0.2, False, -1, -1, 0.0, None,
+                                               False, rng_state)
+    assert torch.equal(_generator_state(q.device), before)
+    expected = (dout.float() * out.float()).sum(-1).transpose(1, 2) * 0.8
+    torch.testing.assert_close(softmax_d[:, :, :40], expected)
+
+
+def _generator_state(device):
+    return torch.cuda.get_rng_state(device) if torch.device(device).type == "cuda" else torch.get_rng_state()
+
+
+def test_lse_in_diffusers_layout(fa, flash_attn):
+    """diffusers hands the backward lse.permute(0, 2, 1), as a view or made contiguous: both give the
+    gradients of flash-attn's (batch, heads, seqlen) layout, including with heads == seqlen."""
+    interface = _private(flash_attn)
+    for seqlen, heads in ((24, 4), (4, 4)):
+        q, k, v = random_qkv((1, seqlen, heads, 32), (1, seqlen, heads, 32), dtype=BF16)
+        out, lse, _, _ = interface._flash_attn_forward(q, k, v, 0.0, 0.2, True, -1, -1, 0.0, None, False)
+        dout = torch.randn_like(out)
+        results = []
+        for given in (lse, lse.permute(0, 2, 1), lse.permute(0, 2, 1).contiguous()):
+            buffers = [torch.empty_like(x) for x in (q, k, v)]
+            interface._flash_attn_backward(dout, q, k, v, out, given, *buffers, 0.0, 0.2, True, -1, -1, 0.0, None,
+                                           False)
+            results.append(buffers)
+        for other in results[1:] if seqlen != heads else results[1:2]:  # (a contiguous square one is flash-attn's)
+            for ours, theirs in zip(other, results[0]):
+                assert torch.equal(ours, theirs)
+
+
+def test_zero_tensors_zeroes_rows_past_the_sequences(flash_attn):
+    interface = _private(flash_attn)
+    cu = cu_seqlens([10, 7])
+    q, k, v = random_qkv((20, 2, 32), (17, 2, 32), dtype=BF16)  # (3 rows of q past the sequences)
+    out, lse, _, _ = interface._flash_attn_varlen_forward(q, k, v, cu, cu, 10, 10, 0.0, 0.2, False, zero_tensors=True)
+    assert not out[17:].any() and torch.isneginf(lse[:, 17:]).all()
+    dq = torch.full_like(q, float("nan"))
+    interface._flash_attn_varlen_backward(torch.randn_like(out), q, k, v, out, lse, dq, None, None, cu, cu, 10, 10, 0.0,
+                                          0.2, False, -1, -1, 0.0, None, False, zero_tensors=True)
+    assert not dq[17:].any() and not dq[:17].isnan().any()
 
 
 def test_bad_arguments_name_what_is_wrong(flash_attn):
@@ -344,8 +394,13 @@ def test_bert_padding_and_rotary_helpers(fa, flash_attn):
     assert torch.equal(packed, index_first_axis(x.flatten(0, 1), indices))
     back = index_put_first_axis(packed, indices, 12)
     assert torch.equal(back[indices], packed) and not back[5].any()
-    gathered, residual = index_first_axis_residual(x.flatten(0, 1), indices)
-    assert torch.equal(gathered, packed) and not residual.requires_grad
+    leaf = x.flatten(0, 1).clone().requires_grad_()
+    gathered, residual = index_first_axis_residual(leaf, indices)
+    assert torch.equal(gathered, packed) and torch.equal(residual, leaf)
+    (gathered.sum() + 2 * residual.sum()).backward()  # (both outputs' gradients reach x, as flash-attn's)
+    expected = torch.full_like(leaf, 2.0)
+    expected[indices] += 1
+    assert torch.equal(leaf.grad, expected)
     assert torch.equal(rotate_half(torch.arange(4.0)), torch.tensor([-2.0, -3.0, 0.0, 1.0]))
     assert torch.equal(rotate_half(torch.arange(4.0), interleaved=True), torch.tensor([-1.0, 0.0, -3.0, 2.0]))
     q = torch.randn(1, 9, 2, 16, dtype=torch.float32, device=DEVICE)

@@ -17,6 +17,8 @@ Layers of the package:
 * ``modules.py``: flash-attn's ``flash_attn.modules.mha`` modules with their constructors
   (``FlashSelfAttention``, ``FlashCrossAttention``, ``MHA``), the (batch, heads, seqlen, headdim)
   ``FlashAttention`` module, and ``InferenceParams`` for MHA's generation with a KV cache.
+* ``flash_attn_interface.py``: flash-attn's module of that name (public functions, private entry
+  points), e.g. for diffusers' FLASH_HUB backend.
 * ``compat/``: ``install_as_flash_attn()``, which serves this package as ``flash_attn`` (flash-attn
   2.8.3's module layout, the private entry points ring engines call: ``compat/entry_points.py``),
   and ``kernels_in_torch_context_parallel()``, this kernel inside torch's context_parallel.
@@ -31,7 +33,7 @@ Layers of the package:
 ``get_kernel(..., version=...)`` loads.
 """
 
-from . import bert_padding, layers, modules, rotary
+from . import bert_padding, flash_attn_interface, layers, modules, rotary
 from ._ops import ops
 from .compat import install_as_flash_attn, kernels_in_torch_context_parallel, uninstall_flash_attn
 from .flash_attention_kernel import __version__
@@ -61,6 +63,7 @@ __all__ = [
     "bert_padding",
     "flash_attention_forward",
     "flash_attn_func",
+    "flash_attn_interface",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",

@@ -61,9 +61,24 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis
     return values.new_zeros(first_axis_dim, *values.shape[1:]).index_put((indices,), values)
 
 
+class _IndexFirstAxisResidual(torch.autograd.Function):
+    """(x[indices], x as a second output): both outputs' gradients flow back into x."""
+
+    @staticmethod
+    def forward(ctx, x, indices):
+        ctx.save_for_backward(indices)
+        return x[indices], x.detach()
+
+    @staticmethod
+    def backward(ctx, grad_gathered, grad_residual):
+        (indices,) = ctx.saved_tensors
+        return grad_residual.clone().index_add_(0, indices, grad_gathered), None
+
+
 def index_first_axis_residual(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x[indices], x detached), as flash-attn's fused-dense path takes them."""
-    return x[indices], x.detach()
+    """(x[indices], x), as flash-attn's fused-dense path takes them: the second output is x's
+    values as a separate output, whose gradient is added to x's with the gathered rows'."""
+    return _IndexFirstAxisResidual.apply(x, indices)
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:

@@ -209,9 +209,10 @@ def _per_head_tensor(name: str, x, q: torch.Tensor, shapes: dict, dtypes, dtype_
 
 
 def checked_attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, s_aux) -> AttentionOptions:
+                              alibi_slopes, s_aux, rng_state: Optional[torch.Tensor] = None) -> AttentionOptions:
     """The validated options of a call on ``q`` (heads on dim -2) with ``batch`` sequences, with
-    dropout's RNG state drawn from PyTorch's generator when dropout_p > 0."""
+    dropout's RNG state drawn from PyTorch's generator when dropout_p > 0, unless ``rng_state``
+    (int64 (2,), a forward's: a backward regenerating its mask) is given."""
     heads, head_dim = q.shape[-2:]
     if isinstance(window_size, (list, torch.Tensor)):  # (a tensor would be cached by its id)
         window_size = _window(window_size)
@@ -231,7 +232,12 @@ def checked_attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_sc
     if s_aux is not None:
         s_aux = _per_head_tensor("s_aux", s_aux, q, {f"(nheads,) = ({heads},)": (heads,)}, SINK_DTYPES,
                                  "float16, bfloat16 or float32")
-    rng_state = draw_rng_state(q.device) if options.dropout_p > 0 else None
+    if options.dropout_p == 0:
+        rng_state = None
+    elif rng_state is None:
+        rng_state = draw_rng_state(q.device)
+    else:
+        rng_state = _per_head_tensor("rng_state", rng_state, q, {"(2,)": (2,)}, (torch.int64,), "torch.int64")
     return replace(options, alibi_slopes=alibi_slopes, sinks=s_aux, rng_state=rng_state)
 
 

@@ -125,9 +125,9 @@ def _fwd_qkvpacked(qkv, layout, options, *, wrap_kernel):
     return _fwd(*qkv.unbind(dim=-3), layout, options, wrap_kernel=wrap_kernel)
 
 
-def _bwd(dout, q, k, v, out, softmax_lse, dlse, layout, options, *, wrap_kernel, grads=None):
+def _bwd(dout, q, k, v, out, softmax_lse, dlse, layout, options, *, wrap_kernel, grads=None, delta_out=None):
     dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, softmax_lse, options, dlse, *layout, grads=grads,
-                                            wrap_kernel=wrap_kernel)
+                                            delta_out=delta_out, wrap_kernel=wrap_kernel)
     return dq, dk, dv, _sink_grad_or_empty(dsinks, q)
 
 
@@ -367,20 +367,26 @@ def run_op(name: str, *args):
     return _OPS[name][0](*tensors, layout, options, wrap_kernel=identity_wrap)
 
 
-def run_backward_into(grads: tuple, dout, q, k, v, out, softmax_lse, layout: tuple, options: AttentionOptions) -> None:
+def run_backward_into(grads: tuple, dout, q, k, v, out, softmax_lse, layout: tuple, options: AttentionOptions):
     """The bwd op's gradients of q, k and v written into ``grads`` (dq, dk, dv: each None, to
     drop that gradient, or a tensor shaped and typed like its input with a unit last stride), for
-    flash-attn's private backward (compat/entry_points.py), whose callers own the buffers. Eager
-    calls run the op body straight into them; a traced call runs the op and copies its results."""
+    flash-attn's private backward (compat/entry_points.py), whose callers own the buffers; returns
+    delta = rowsum(dout * out), fp32, shaped like softmax_lse. Eager calls run the op body straight
+    into the buffers and take delta from the kernels; a traced call runs the op, copies its
+    results, and computes delta with torch."""
     tensors = [dout, q, k, v, out, softmax_lse, *(x for x in (*layout[:2], *options.tensors(), *grads) if x is not None)]
     if _needs_dispatcher(tensors):
         results = ops.bwd(dout, q, k, v, out, softmax_lse, None, *layout, *options.flatten())
         for buffer, result in zip(grads, results):
             if buffer is not None:
                 buffer.copy_(result)
-        return
+        delta = torch.einsum("...hd,...hd->...h", dout.float(), out.float())  # (batch, seqlen, heads) or (total, heads)
+        return delta.transpose(-1, -2)
     buffers = tuple(x if x is not None else torch.empty_like(like) for x, like in zip(grads, (q, k, v)))
-    _bwd(dout, q, k, v, out, softmax_lse, None, layout, options, wrap_kernel=identity_wrap, grads=buffers)
+    delta = torch.empty(softmax_lse.shape, dtype=torch.float32, device=q.device)
+    _bwd(dout, q, k, v, out, softmax_lse, None, layout, options, wrap_kernel=identity_wrap, grads=buffers,
+         delta_out=delta)
+    return delta
 
 
 def run_attention(name: str, inputs: tuple, layout: tuple, options: AttentionOptions):

@@ -72,9 +72,10 @@ MISSING = {
     "flash_attn.flash_attn_triton_og": "flash-attn's older Triton attention; use flash_attn.flash_attn_func",
     "flash_attn.flash_blocksparse_attention": "block-sparse attention",
     "flash_attn.flash_blocksparse_attn_interface": "block-sparse attention",
+    "flash_attn.cute": "FlashAttention-4's CuTe DSL kernels",
 }
 _PACKAGES = {"flash_attn", "flash_attn.layers", "flash_attn.modules", "flash_attn.ops", "flash_attn.ops.triton",
-             "flash_attn.losses", "flash_attn.models", "flash_attn.utils"}
+             "flash_attn.losses", "flash_attn.models", "flash_attn.utils", "flash_attn.cute"}
 
 
 class FlashAttnNotProvided(NotImplementedError, ImportError):
@@ -83,28 +84,23 @@ class FlashAttnNotProvided(NotImplementedError, ImportError):
 
 def provided_modules() -> dict:
     """Module name -> {attribute: object} of what this package serves under flash-attn's names."""
-    from .. import bert_padding, interface, kvcache, modules, rotary
-    from . import entry_points
-
-    public = {name: getattr(interface, name) for name in (
-        "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-        "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func")}
-    public["flash_attn_with_kvcache"] = kvcache.flash_attn_with_kvcache
-    private = {f"{prefix}_flash_attn_{kind}": getattr(entry_points, f"{prefix}_flash_attn_{kind}")
-               for prefix in ("", "_wrapped") for kind in ("forward", "varlen_forward", "backward", "varlen_backward")}
+    from .. import bert_padding, flash_attn_interface, modules, rotary
 
     def names(module, *attributes):
         return {name: getattr(module, name) for name in attributes}
 
+    public = {name: getattr(flash_attn_interface, name) for name in flash_attn_interface.__all__
+              if not name.startswith("_")}
     return {
         "flash_attn": {**public, "__version__": FLASH_ATTN_VERSION},
-        "flash_attn.flash_attn_interface": {**public, **private},
+        "flash_attn.flash_attn_interface": names(flash_attn_interface, *flash_attn_interface.__all__),
         "flash_attn.bert_padding": names(bert_padding, "unpad_input", "pad_input", "index_first_axis",
                                          "index_put_first_axis", "index_first_axis_residual",
                                          "unpad_input_for_concatenated_sequences"),
         "flash_attn.layers": {},
-        "flash_attn.layers.rotary": names(rotary, "apply_rotary_emb", "apply_rotary_emb_qkv_", "apply_rotary_emb_kv_",
-                                          "RotaryEmbedding", "rotate_half", "apply_rotary_emb_torch", "apply_rotary"),
+        "flash_attn.layers.rotary": names(rotary, "apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_qkv_",
+                                          "apply_rotary_emb_kv_", "RotaryEmbedding", "rotate_half",
+                                          "apply_rotary_emb_torch", "apply_rotary"),
         "flash_attn.modules": {},
         "flash_attn.modules.mha": names(modules, "MHA", "FlashSelfAttention", "FlashCrossAttention",
                                         "get_alibi_slopes"),

@@ -18,19 +18,27 @@ and results (callers read the parameter names with inspect and pass every argume
 * ``_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
   causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
   rng_state=None) -> softmax_d`` writes the gradients into the caller's dq, dk, dv (None drops
-  one) and returns softmax_d = rowsum(dout * out) in fp32, laid out as flash-attn's: dense
-  (batch, heads, seqlen_q rounded up to 128), varlen (heads, total_q + 128 * batch) with sequence
-  b's rows from cu_seqlens_q[b] + 128 b; ``_flash_attn_varlen_backward`` likewise.
+  one; views with a unit last stride are fine) and returns flash-attn's softmax_d, rowsum(dout *
+  out) times the keep probability 1 - dropout_p in fp32 (the backward's own delta, no extra pass),
+  laid out as flash-attn's: dense (batch, heads, seqlen_q rounded up to 128), varlen
+  (heads, total_q + 128 * batch) with sequence b's rows from cu_seqlens_q[b] + 128 b;
+  ``_flash_attn_varlen_backward`` likewise. softmax_lse may also come with its last two dims
+  swapped, as diffusers passes it.
 
 The backward takes ``out`` and ``softmax_lse`` as given: where a ring passes the merged output and
 logsumexp of all its key blocks, the gradients are this block's share of the whole attention's
 (delta = rowsum(dout * out) over the merged out; P = exp(scores - merged lse)), which is what the
-engines sum. So the backward refuses fp32, as flash-attn does: its fp32 path derives delta from
+engines sum. So the entry points refuse fp32, as flash-attn does: its fp32 path derives delta from
 this call's own probabilities (docs/design.md), which a merged out would contradict. Dropout
 needs the forward's rng_state in the backward (the engines that do not carry it get a ValueError
-instead of a different mask). ``deterministic`` is accepted and ignored: the backward has no
-atomics, so it is always deterministic. ``zero_tensors`` is accepted and ignored (every output row
-is written). ``leftpad_k`` and ``seqused_k`` are not supported (NotImplementedError).
+instead of a different mask), and a backward given it draws nothing from PyTorch's generator.
+``deterministic`` is accepted and ignored: the backward has no atomics, so it is always
+deterministic. ``zero_tensors`` (varlen) zeroes what flash-attn's zeroes: the output rows of q past
+the last sequence (their lse -inf) and, in the backward, dq, dk, dv before the kernels write the
+sequences' rows. ``leftpad_k`` and ``seqused_k`` are not supported (NotImplementedError). Where
+flash-attn differs on purpose: ``return_softmax`` without dropout returns an empty S_dmask instead
+of raising, and S_dmask holds the normalised probabilities (flash-attn's own are unnormalised
+and padded).
 
 ``_wrapped_flash_attn_*`` are the names flash-attn 2.8 gives its torch.library custom ops; here
 they are the same functions, which trace under torch.compile through this package's own ops.
@@ -40,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from ..checks import _per_head_tensor, check_paged_kv, check_qkv, check_varlen, checked_attention_options
+from ..checks import check_paged_kv, check_qkv, check_varlen, checked_attention_options
 from ..interface import DENSE, NO_LAYOUT, VARLEN
 from ..torch_ops import run_attention, run_backward_into, run_op
 
@@ -98,8 +106,14 @@ def _flash_attn_varlen_forward(
         max_seqlens = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     _check_dtype(q)
     layout = (cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table)
-    return _forward(q, k, v, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal, window_size_left,
-                    window_size_right, softcap, alibi_slopes, return_softmax)
+    out, softmax_lse, s_dmask, rng_state = _forward(q, k, v, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale,
+                                                    causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                                    return_softmax)
+    if zero_tensors:  # rows of q past the last sequence: out 0 and lse -inf, as flash-attn's (no host sync)
+        in_sequences = torch.arange(q.shape[0], device=q.device) < cu_seqlens_q[-1]
+        out = torch.where(in_sequences[:, None, None], out, 0.0)
+        softmax_lse = torch.where(in_sequences[None, :], softmax_lse, float("-inf"))
+    return out, softmax_lse, s_dmask, rng_state
 
 
 def _flash_attn_backward(
@@ -126,12 +140,12 @@ def _flash_attn_backward(
     check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
     _check_dtype(q)
     batch, seqlen_q, heads, _ = q.shape
-    _check_backward_tensors(dout, out, softmax_lse, (batch, heads, seqlen_q), q, (dq, dk, dv), (q, k, v))
-    _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), NO_LAYOUT, batch, dropout_p, softmax_scale, causal,
-              window_size_left, window_size_right, softcap, alibi_slopes, rng_state)
+    softmax_lse = _check_backward_tensors(dout, out, softmax_lse, (batch, heads, seqlen_q), q, (dq, dk, dv), (q, k, v))
+    delta = _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), NO_LAYOUT, batch, dropout_p, softmax_scale,
+                      causal, window_size_left, window_size_right, softcap, alibi_slopes, rng_state)
     rounded = -(-seqlen_q // 128) * 128
     softmax_d = q.new_zeros((batch, heads, rounded), dtype=torch.float32)
-    softmax_d[:, :, :seqlen_q] = _row_dot(dout, out).transpose(1, 2)
+    softmax_d[:, :, :seqlen_q] = delta
     return softmax_d
 
 
@@ -166,14 +180,19 @@ def _flash_attn_varlen_backward(
     _check_dtype(q)
     total_q, heads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
-    _check_backward_tensors(dout, out, softmax_lse, (heads, total_q), q, (dq, dk, dv), (q, k, v))
-    _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), (cu_seqlens_q, cu_seqlens_k, *max_seqlens, None), batch,
-              dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, rng_state)
+    softmax_lse = _check_backward_tensors(dout, out, softmax_lse, (heads, total_q), q, (dq, dk, dv), (q, k, v))
+    if zero_tensors:  # (rows outside every sequence keep zeros; the kernels write only the sequences' rows)
+        for grad in (dq, dk, dv):
+            if grad is not None:
+                grad.zero_()
+    delta = _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), (cu_seqlens_q, cu_seqlens_k, *max_seqlens, None),
+                      batch, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                      alibi_slopes, rng_state)
     # sequence b's rows start at cu_seqlens_q[b] + 128 b in flash-attn's softmax_d
-    sequence = torch.searchsorted(cu_seqlens_q, torch.arange(total_q, device=q.device, dtype=cu_seqlens_q.dtype),
-                                  right=True) - 1
+    rows = torch.arange(total_q, device=q.device, dtype=cu_seqlens_q.dtype)
+    sequence = torch.searchsorted(cu_seqlens_q, rows, right=True) - 1
     softmax_d = q.new_zeros((heads, total_q + 128 * batch), dtype=torch.float32)
-    softmax_d[:, torch.arange(total_q, device=q.device) + 128 * sequence] = _row_dot(dout, out).t()
+    softmax_d[:, rows + 128 * sequence] = delta
     return softmax_d
 
 
@@ -198,17 +217,18 @@ def _forward(q, k, v, layout, batch, dropout_p, softmax_scale, causal, window_si
 
 
 def _backward(dout, q, k, v, out, softmax_lse, grads, layout, batch, dropout_p, softmax_scale, causal,
-              window_size_left, window_size_right, softcap, alibi_slopes, rng_state):
+              window_size_left, window_size_right, softcap, alibi_slopes, rng_state) -> torch.Tensor:
+    """The gradients into ``grads``; returns flash-attn's softmax_d values, rowsum(dout * out)
+    times the keep probability 1 - dropout_p, shaped like softmax_lse."""
+    if rng_state is None and isinstance(dropout_p, (int, float)) and dropout_p > 0:  # (else the options draw one)
+        raise ValueError("rng_state: a backward with dropout_p > 0 needs the rng_state its forward returned "
+                         "(the 4th result of _flash_attn_forward), to regenerate the same dropout mask")
     options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal,
-                                        (window_size_left, window_size_right), _softcap(softcap), alibi_slopes, None)
-    if options.dropout_p > 0:
-        if rng_state is None:
-            raise ValueError("rng_state: a backward with dropout_p > 0 needs the rng_state its forward returned "
-                             "(the 4th result of _flash_attn_forward), to regenerate the same dropout mask")
-        rng_state = _per_head_tensor("rng_state", rng_state, q, {"(2,)": (2,)}, (torch.int64,), "torch.int64")
-        options = options.with_tensors((options.alibi_slopes, None, rng_state))
+                                        (window_size_left, window_size_right), _softcap(softcap), alibi_slopes, None,
+                                        rng_state=rng_state)
     with torch.no_grad():
-        run_backward_into(grads, dout, q, k, v, out, softmax_lse, layout, options)
+        delta = run_backward_into(grads, dout, q, k, v, out, softmax_lse, layout, options)
+    return delta * (1.0 - options.dropout_p) if options.dropout_p > 0 else delta
 
 
 def _check_dtype(q: torch.Tensor) -> None:
@@ -217,15 +237,13 @@ def _check_dtype(q: torch.Tensor) -> None:
                         f"(fp32 runs through flash_attn_func and flash_attn_varlen_func)")
 
 
-def _check_backward_tensors(dout, out, softmax_lse, lse_shape, q, grads, inputs) -> None:
+def _check_backward_tensors(dout, out, softmax_lse, lse_shape, q, grads, inputs) -> torch.Tensor:
+    """Checks the backward's tensors; returns softmax_lse in flash-attn's layout ``lse_shape``."""
     for name, x in (("dout", dout), ("out", out)):
         if not isinstance(x, torch.Tensor) or x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
             raise ValueError(f"{name} must be a tensor shaped and typed like q ({tuple(q.shape)}, {q.dtype}, "
                              f"{q.device}), got {_describe(x)}")
-    if (not isinstance(softmax_lse, torch.Tensor) or tuple(softmax_lse.shape) != lse_shape
-            or softmax_lse.dtype != torch.float32 or softmax_lse.device != q.device):
-        raise ValueError(f"softmax_lse must be a float32 tensor of shape {lse_shape} on {q.device}, "
-                         f"got {_describe(softmax_lse)}")
+    softmax_lse = _lse_in_layout(softmax_lse, lse_shape, q)
     for name, grad, x in zip(("dq", "dk", "dv"), grads, inputs):
         if grad is None:
             continue
@@ -233,6 +251,25 @@ def _check_backward_tensors(dout, out, softmax_lse, lse_shape, q, grads, inputs)
                 or grad.device != x.device or grad.stride(-1) != 1):
             raise ValueError(f"{name} must be None or a tensor shaped and typed like its input "
                              f"({tuple(x.shape)}, {x.dtype}, {x.device}) with a unit last stride, got {_describe(grad)}")
+    return softmax_lse
+
+
+def _lse_in_layout(softmax_lse, lse_shape: tuple, q) -> torch.Tensor:
+    """softmax_lse as flash-attn lays it out, (batch, heads, seqlen_q) or (heads, total_q); also
+    taken with its last two dims swapped, as diffusers passes it (a permuted view of the forward's
+    lse, or that made contiguous), which flash-attn's kernel would misread."""
+    swapped = (*lse_shape[:-2], lse_shape[-1], lse_shape[-2])
+    if isinstance(softmax_lse, torch.Tensor) and softmax_lse.dtype == torch.float32 and softmax_lse.device == q.device:
+        shape = tuple(softmax_lse.shape)
+        # (checked first: a swapped view of flash-attn's layout, which with heads == seqlen has its shape too)
+        if shape == swapped and softmax_lse.stride(-2) == 1 and lse_shape[-1] > 1:
+            return softmax_lse.transpose(-1, -2)
+        if shape == lse_shape:
+            return softmax_lse
+        if shape == swapped:
+            return softmax_lse.transpose(-1, -2)
+    raise ValueError(f"softmax_lse must be a float32 tensor of shape {lse_shape} (or {swapped}) on {q.device}, "
+                     f"got {_describe(softmax_lse)}")
 
 
 def _describe(x) -> str:
@@ -250,8 +287,3 @@ def _refuse_unsupported(**tensors) -> None:
 
 def _softcap(softcap) -> float:
     return 0.0 if softcap is None else softcap  # (yunchang passes None for "off")
-
-
-def _row_dot(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """rowsum(dout * out) over the head dim, in fp32: (..., heads)."""
-    return torch.einsum("...d,...d->...", dout.float(), out.float())

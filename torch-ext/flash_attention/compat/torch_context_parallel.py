@@ -123,6 +123,10 @@ def _backward_handler(op_call, args, kwargs):
 
 def _step(query, key, value, is_causal, scale=None, **_):
     """One ring step in SDPA's layout: (out, lse) of this block of keys."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"kernels_in_torch_context_parallel: SDPA's inputs must be float16 or bfloat16 for this "
+                        f"kernel's ring, got {query.dtype} (its backward reads the ring's merged output, which "
+                        f"the fp32 path cannot)")
     out, lse, _, _ = _flash_attn_forward(*(x.transpose(1, 2) for x in (query, key, value)), 0.0, scale, is_causal, -1, -1,
                                          0.0, None, False)
     return out.transpose(1, 2), lse

@@ -429,14 +429,16 @@ def _attn_bwd_dq_kernel(
 @on_tensor_device
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=None, cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, grads=None,
-                       wrap_kernel=identity_wrap):
+                       delta_out=None, wrap_kernel=identity_wrap):
     """Gradients (dq, dk, dv, dsinks) of ``attention_forward``; same layouts and conventions, but
     no paged caches (``block_table``: a ValueError; they serve inference). dsinks is None without
     sinks.
 
     ``dlse`` is the gradient flowing into the logsumexp output, or None when it is unused.
     ``grads``, if given, is (dq, dk, dv) to write into (e.g. views of one packed qkv gradient,
-    with unit last stride); otherwise they are allocated like q, k, v.
+    with unit last stride); otherwise they are allocated like q, k, v. ``delta_out``, if given, is
+    a contiguous fp32 row statistic shaped like lse that receives delta = rowsum(dO * O) - dlse
+    (flash-attn's private backward returns it).
     """
     if block_table is not None:
         raise ValueError("flash_attention: no backward through a paged KV cache (block_table); it is an inference path")
@@ -445,12 +447,12 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     layout = SequenceLayout.of(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     has_dlse = dlse is not None
+    delta = delta_out if delta_out is not None else layout.new_row_stats(q)
     if q.numel() == 0 or k.numel() == 0:  # nothing attends or nothing to attend to
-        delta = -dlse.contiguous() if has_dlse else torch.zeros_like(lse)  # (O = 0)
+        delta = delta.copy_(-dlse) if has_dlse else delta.zero_()  # (O = 0)
         return dq.zero_(), dk.zero_(), dv.zero_(), _sink_grad(options, lse, delta, wrap_kernel)
     num_heads, head_dim = q.shape[-2:]
     num_heads_kv = k.shape[-2]
-    delta = layout.new_row_stats(q)
 
     dim_a, dim_b = head_dim_chunks(head_dim)
     interpreted = is_interpreted(_attn_bwd_dq_kernel)
