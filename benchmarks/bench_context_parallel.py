@@ -40,7 +40,7 @@ if "--smoke" in sys.argv:  # must precede the first import of triton (kernels im
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "tests"))  # (context_parallel.import_ring_flash_attn)
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # (run_with_flash_attn: ring-flash-attn under transformers 5)
 WORLD = 2
 
 
@@ -122,7 +122,7 @@ def _rank(rank, port, args):
 def _engines(rank):
     """name -> (shard of the whole problem this rank holds, attention on the shards)."""
     import torch.distributed as dist
-    from context_parallel import import_ring_flash_attn  # (tests/: ring-flash-attn under transformers 5)
+    from run_with_flash_attn import transformers_name_for_ring_flash_attn
     from yunchang import UlyssesAttention
     from yunchang.kernels import AttnType
 
@@ -130,10 +130,12 @@ def _engines(rank):
         chunks = x.chunk(2 * WORLD, dim=1)
         return torch.cat([chunks[rank], chunks[2 * WORLD - 1 - rank]], dim=1)
 
+    transformers_name_for_ring_flash_attn()
+    from ring_flash_attn import zigzag_ring_flash_attn_func
+
     ulysses = UlyssesAttention(dist.group.WORLD, attn_type=AttnType.FA)
     return {
-        "zigzag ring": (zigzag_shard,
-                        lambda q, k, v: import_ring_flash_attn().zigzag_ring_flash_attn_func(q, k, v, causal=True)),
+        "zigzag ring": (zigzag_shard, lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, causal=True)),
         "Ulysses": (lambda x: x.chunk(WORLD, dim=1)[rank], lambda q, k, v: ulysses(q, k, v, causal=True)),
     }
 

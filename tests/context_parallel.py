@@ -136,19 +136,11 @@ def _check(fa, case, shard, inputs, out, grads, causal, scale) -> None:
 
 
 def import_ring_flash_attn():
-    """ring_flash_attn, importable under transformers 5: its package imports its transformers
-    adapter, which takes ``is_flash_attn_greater_or_equal_2_10`` from
-    transformers.modeling_flash_attention_utils, where transformers 5 no longer has it
-    (transformers.utils still does). The name is put back there in this process; the engine's own
-    code runs unchanged."""
-    try:
-        import transformers.modeling_flash_attention_utils as utils
-        from transformers.utils import is_flash_attn_greater_or_equal_2_10
-    except ImportError:  # (no transformers, or one whose adapter import works as it is)
-        pass
-    else:
-        if not hasattr(utils, "is_flash_attn_greater_or_equal_2_10"):
-            utils.is_flash_attn_greater_or_equal_2_10 = is_flash_attn_greater_or_equal_2_10
+    """ring_flash_attn, importable under transformers 5 (scripts/run_with_flash_attn.py puts back
+    the name its transformers adapter imports; the engine's own code runs unchanged)."""
+    from run_with_flash_attn import transformers_name_for_ring_flash_attn
+
+    transformers_name_for_ring_flash_attn()
     import ring_flash_attn
 
     return ring_flash_attn

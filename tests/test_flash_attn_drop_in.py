@@ -435,3 +435,23 @@ def test_private_entry_points_compile_fullgraph(fa, flash_attn):
     for ours, theirs in zip((*compiled[:2], *compiled_grads), (*eager[:2], *eager_grads)):
         assert torch.equal(ours, theirs)
     torch.testing.assert_close(compiled[2], eager[2])  # (softmax_d: a torch reduction, fused in its own order)
+
+
+def test_run_with_flash_attn_runs_an_unchanged_script(build_dir, tmp_path):
+    """scripts/run_with_flash_attn.py: a script that imports flash_attn by name runs on this package,
+    with its own arguments and folder on sys.path."""
+    import subprocess
+
+    from conftest import REPO_ROOT
+
+    (tmp_path / "helper_module.py").write_text("VALUE = 7\n")
+    script = tmp_path / "uses_flash_attn.py"
+    script.write_text("import sys\nimport flash_attn, helper_module\n"
+                      "from flash_attn.flash_attn_interface import _flash_attn_forward\n"
+                      "print(flash_attn.__version__, helper_module.VALUE, sys.argv[1:], __name__)\n")
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "run_with_flash_attn.py"), "--build",
+                             str(build_dir), str(script), "--an-argument", "x"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "2.8.3 7 ['--an-argument', 'x'] __main__"
+
