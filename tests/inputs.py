@@ -1,4 +1,4 @@
-"""Random test inputs: q, k, v (dense or varlen layout alike) and cu_seqlens."""
+"""Random test inputs: q, k, v (dense or varlen layout alike), cu_seqlens, paged caches."""
 
 import pytest
 import torch
@@ -32,3 +32,24 @@ def gradients(out, inputs, dout):
         return None
     return torch.autograd.grad(out, inputs, dout)
 
+
+def paged_caches(k, v, lengths, page_size, spare_pages=3):
+    """The packed rows of ``k`` and ``v`` (total_k, heads_k, d) scattered over the same shuffled
+    pages of two caches (num_blocks, page_size, heads_k, d) whose other rows hold NaN, and the
+    block table (padding entries point at a NaN page)."""
+    pages_per_seq = [max(1, -(-n // page_size)) for n in lengths]
+    num_blocks = sum(pages_per_seq) + spare_pages
+    order = torch.randperm(num_blocks).tolist()
+    caches = [torch.full((num_blocks, page_size, *x.shape[1:]), float("nan"), dtype=x.dtype, device=x.device)
+              for x in (k, v)]
+    table = torch.full((len(lengths), max(pages_per_seq)), order[0], dtype=torch.int32)  # order[0]: never used
+    start = 0
+    for b, n in enumerate(lengths):
+        for p in range(pages_per_seq[b]):
+            page = order.pop()
+            table[b, p] = page
+            rows = slice(start + p * page_size, start + min(n, (p + 1) * page_size))
+            for cache, x in zip(caches, (k, v)):
+                cache[page, :rows.stop - rows.start] = x[rows]
+        start += n
+    return caches[0], caches[1], table.to(k.device)

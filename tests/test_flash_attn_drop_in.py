@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from inputs import cu_seqlens, random_qkv
+from inputs import cu_seqlens, paged_caches, random_qkv
 from reference import assert_within_bar, run_ref, run_varlen_ref
 from sizes import BF16, DEVICE
 
@@ -203,6 +203,28 @@ def test_varlen_contract(fa, flash_attn):
     rows = (dout.float() * out.float()).sum(-1).t()
     for b, (start, end) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):  # sequence b from cu_q[b] + 128 b
         torch.testing.assert_close(softmax_d[:, start + 128 * b:end + 128 * b], rows[:, start:end])
+
+
+def test_varlen_paged_and_dropout_probabilities(fa, flash_attn):
+    """The varlen forward with flash-attn's block_table (a paged k/v) gives flash_attn_varlen_func's
+    paged results, and with dropout and return_softmax its S_dmask."""
+    interface = _private(flash_attn)
+    lengths_q, lengths_k = [5, 17], [40, 21]
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    q, k, v = random_qkv((22, 4, 32), (61, 2, 32), dtype=BF16)
+    k_cache, v_cache, table = paged_caches(k, v, lengths_k, 16)
+    out, lse, _, _ = interface._flash_attn_varlen_forward(q, k_cache, v_cache, cu_q, cu_k, 17, 40, 0.0, 0.2, True,
+                                                          block_table=table)
+    ref_out, ref_lse, _ = fa.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 17, 40, softmax_scale=0.2,
+                                                    causal=True, block_table=table, return_attn_probs=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    torch.manual_seed(3)
+    out, lse, s_dmask, rng_state = interface._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 17, 40, 0.25, 0.2, True,
+                                                                        return_softmax=True)
+    torch.manual_seed(3)
+    ref_out, _, ref_probs = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 40, 0.25, 0.2, True,
+                                                      return_attn_probs=True)
+    assert torch.equal(out, ref_out) and torch.equal(s_dmask, ref_probs) and rng_state.shape == (2,)
 
 
 def test_dropout_needs_the_forwards_rng_state(fa, flash_attn):
