@@ -3,7 +3,7 @@
 ``run_ranks(case, build_dir, world_size)`` starts ``world_size`` processes (spawned; each inherits
 the test process's environment, so TRITON_INTERPRET too), joins them in a torch.distributed group
 (NCCL over one GPU per rank where there are enough GPUs, else gloo on the CPU through Triton's
-interpreter), and runs ``case`` in each: the engine on the rank's shard of one random problem,
+interpreter, which each rank turns on for itself: a one-GPU machine runs the CPU ranks too), and runs ``case`` in each: the engine on the rank's shard of one random problem,
 against the whole problem on this rank alone. Each rank checks its shard of the output and of
 every gradient against the float64 truth within the project's error bars (2x PyTorch's error in
 the same dtype forward, 3x backward) and against single-process ``flash_attn_func``; it reports
@@ -67,7 +67,6 @@ def _rank_main(rank: int, world_size: int, port: int, build_dir: str, case: str,
 
 
 def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) -> None:
-    import kernels
     import torch.distributed as dist
 
     on_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
@@ -75,6 +74,9 @@ def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) 
     device = torch.device(f"cuda:{rank}") if on_gpus else torch.device("cpu")
     if on_gpus:
         torch.cuda.set_device(device)
+    else:  # (fewer GPUs than ranks: CPU ranks, which need the interpreter, set before triton is imported)
+        os.environ["TRITON_INTERPRET"] = "1"
+    import kernels
     dist.init_process_group("nccl" if on_gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     fa = kernels.get_local_kernel(Path(build_dir))
