@@ -76,6 +76,10 @@ def test_module_layout(fa, flash_attn):
     import importlib.util
 
     assert importlib.util.find_spec("flash_attn").name == "flash_attn"
+    import importlib.metadata  # (version checks that read package metadata, as transformers' and diffusers' do)
+
+    assert importlib.metadata.version("flash_attn") == importlib.metadata.version("flash-attn") == "2.8.3"
+    assert importlib.metadata.packages_distributions()["flash_attn"] == ["flash_attn"]
     assert flash_attn.layers.rotary is sys.modules["flash_attn.layers.rotary"]
     # the same module on the loaded kernel, where diffusers' FLASH_HUB backend looks the entry points up
     for name in fa.flash_attn_interface.__all__:
@@ -113,6 +117,10 @@ def test_missing_parts_raise_a_clear_not_implemented_error(flash_attn, module):
 def test_install_refuses_a_real_flash_attn_and_uninstall_removes_only_its_own(fa, flash_attn):
     fa.uninstall_flash_attn()
     assert not any(name == "flash_attn" or name.startswith("flash_attn.") for name in sys.modules)
+    import importlib.metadata
+
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("flash_attn")
     foreign = type(sys)("flash_attn")
     sys.modules["flash_attn"] = foreign
     try:
@@ -461,7 +469,8 @@ def test_private_entry_points_compile_fullgraph(fa, flash_attn):
 
 def test_run_with_flash_attn_runs_an_unchanged_script(build_dir, tmp_path):
     """scripts/run_with_flash_attn.py: a script that imports flash_attn by name runs on this package,
-    with its own arguments and folder on sys.path."""
+    with its own arguments and folder on sys.path; transformers, imported after the install, finds
+    flash_attn 2.8.3 through package metadata."""
     import subprocess
 
     from conftest import REPO_ROOT
@@ -470,10 +479,14 @@ def test_run_with_flash_attn_runs_an_unchanged_script(build_dir, tmp_path):
     script = tmp_path / "uses_flash_attn.py"
     script.write_text("import sys\nimport flash_attn, helper_module\n"
                       "from flash_attn.flash_attn_interface import _flash_attn_forward\n"
+                      "from transformers.utils import import_utils\n"  # (its check reads package metadata)
+                      "print(import_utils._is_package_available('flash_attn', return_version=True),\n"
+                      "      import_utils.PACKAGE_DISTRIBUTION_MAPPING['flash_attn'])\n"
                       "print(flash_attn.__version__, helper_module.VALUE, sys.argv[1:], __name__)\n")
     result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "run_with_flash_attn.py"), "--build",
                              str(build_dir), str(script), "--an-argument", "x"], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "2.8.3 7 ['--an-argument', 'x'] __main__"
+    assert result.stdout.strip().splitlines()[-2:] == ["(True, '2.8.3') ['flash_attn']",
+                                                       "2.8.3 7 ['--an-argument', 'x'] __main__"]
 

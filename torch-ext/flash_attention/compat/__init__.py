@@ -23,9 +23,11 @@ whose attributes are this package's objects. Every other module of flash-attn 2.
 layer norm, RMS norm, cross entropy, the models, the utils...) is registered too, as a module whose
 names raise ``FlashAttnNotProvided``: a NotImplementedError naming what is missing, which is also
 an ImportError, so that ``try: from flash_attn.ops.layer_norm import ... except ImportError:``
-fallbacks keep working. Distribution metadata is not faked: ``importlib.metadata.version
-("flash_attn")`` still fails, so transformers' ``attn_implementation="flash_attention_2"`` check
-does not pass; transformers uses this package through its Hub route instead (README).
+fallbacks keep working. Version checks that read package metadata (transformers'
+``is_flash_attn_2_available``) find a ``flash_attn`` 2.8.3 distribution too: a metadata finder
+on ``sys.meta_path`` answers ``importlib.metadata`` for that name in this process (nothing is
+written to disk). transformers reads the mapping of packages to distributions once, when it is
+imported, so install first.
 
 ``install_as_flash_attn`` refuses when a real flash-attn is already imported (``replace=True`` takes
 its place in sys.modules; modules that imported it keep their references), and is idempotent.
@@ -36,6 +38,9 @@ its place in sys.modules; modules that imported it keep their references), and i
 """
 
 import importlib.machinery
+import importlib.metadata
+import pathlib
+import re
 import sys
 import types
 
@@ -122,6 +127,33 @@ class _MissingModule(types.ModuleType):
             f"layers.rotary, ops.triton.rotary and modules.mha.")
 
 
+class _Distribution(importlib.metadata.Distribution):
+    """flash-attn's distribution metadata as importlib.metadata reads it: name, version and the
+    top-level package (what packages_distributions maps); no files."""
+
+    def read_text(self, filename):
+        if filename == "METADATA":
+            return (f"Metadata-Version: 2.1\nName: flash_attn\nVersion: {FLASH_ATTN_VERSION}\n"
+                    f"Summary: flash-attn's interface, served by the pure-Triton flash-attention kernel\n")
+        if filename == "top_level.txt":
+            return "flash_attn\n"
+        return None
+
+    def locate_file(self, path):
+        return pathlib.Path(path)
+
+
+class _DistributionFinder(importlib.metadata.DistributionFinder):
+    """On sys.meta_path: finds no module (sys.modules serves them) and the flash_attn distribution."""
+
+    def find_spec(self, *args, **kwargs):
+        return None
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        if context.name is None or re.sub(r"[-_.]+", "_", context.name).lower() == "flash_attn":
+            yield _Distribution()
+
+
 def install_as_flash_attn(replace: bool = False) -> types.ModuleType:
     """Serve this package as ``flash_attn`` in this process (module docstring); returns the
     ``flash_attn`` module. A real flash-attn already imported is a RuntimeError unless ``replace``."""
@@ -143,6 +175,8 @@ def install_as_flash_attn(replace: bool = False) -> types.ModuleType:
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(created[parent], child, created[name])
+    if not any(isinstance(finder, _DistributionFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_DistributionFinder())
     return created["flash_attn"]
 
 
@@ -151,6 +185,7 @@ def uninstall_flash_attn() -> None:
     for name in [name for name, module in sys.modules.items()
                  if (name == "flash_attn" or name.startswith("flash_attn.")) and getattr(module, _MARK, False)]:
         del sys.modules[name]
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _DistributionFinder)]
 
 
 def _module(kind, name: str, attributes: dict) -> types.ModuleType:
