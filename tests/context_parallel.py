@@ -3,8 +3,9 @@
 ``run_ranks(case, build_dir, world_size)`` starts ``world_size`` processes (spawned; each inherits
 the test process's environment, so TRITON_INTERPRET too), joins them in a torch.distributed group
 (NCCL over one GPU per rank where there are enough GPUs, else gloo on the CPU through Triton's
-interpreter, which each rank turns on for itself: a one-GPU machine runs the CPU ranks too), and runs ``case`` in each: the engine on the rank's shard of one random problem,
-against the whole problem on this rank alone. Each rank checks its shard of the output and of
+interpreter, which each rank turns on for itself: a one-GPU machine runs the CPU ranks too), and
+runs ``case`` in each: the engine on the rank's shard of one random problem, against the whole
+problem on this rank alone. Each rank checks its shard of the output and of
 every gradient against the float64 truth within the project's error bars (2x PyTorch's error in
 the same dtype forward, 3x backward) and against single-process ``flash_attn_func``; it reports
 "ok" or its traceback in a file, which the test reads.

@@ -29,10 +29,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
     seqused = attention_mask.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
-    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
-    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    packed = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
-    return packed, indices, cu_seqlens, max_seqlen, seqused
+    return (*_packed(hidden_states, indices, seqlens), seqused)
 
 
 def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attention_mask_in_length: torch.Tensor):
@@ -46,8 +43,14 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attentio
     sample_lengths = attention_mask_in_length.flatten()
     sample_lengths = sample_lengths[sample_lengths != 0]
     indices = torch.nonzero(kept.flatten(), as_tuple=False).flatten()
-    max_seqlen = int(sample_lengths.max().item()) if sample_lengths.numel() else 0
-    cu_seqlens = F.pad(torch.cumsum(sample_lengths, dim=0, dtype=torch.int32), (1, 0))
+    return _packed(hidden_states, indices, sample_lengths)
+
+
+def _packed(hidden_states: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor) -> tuple:
+    """(the rows ``indices`` of hidden_states (batch, seqlen, ...) packed, indices, int32
+    cu_seqlens of the sequences ``lengths``, the longest of them as an int)."""
+    max_seqlen = int(lengths.max().item()) if lengths.numel() else 0
+    cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
     return index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices), indices, cu_seqlens, max_seqlen
 
 

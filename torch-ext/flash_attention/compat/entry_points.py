@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 
 from ..checks import check_paged_kv, check_qkv, check_varlen, checked_attention_options
+from ..flash_attention_kernel.launch import cdiv
 from ..interface import DENSE, NO_LAYOUT, VARLEN
 from ..torch_ops import run_attention, run_backward_into, run_op
 
@@ -143,8 +144,7 @@ def _flash_attn_backward(
     softmax_lse = _check_backward_tensors(dout, out, softmax_lse, (batch, heads, seqlen_q), q, (dq, dk, dv), (q, k, v))
     delta = _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), NO_LAYOUT, batch, dropout_p, softmax_scale,
                       causal, window_size_left, window_size_right, softcap, alibi_slopes, rng_state)
-    rounded = -(-seqlen_q // 128) * 128
-    softmax_d = q.new_zeros((batch, heads, rounded), dtype=torch.float32)
+    softmax_d = q.new_zeros((batch, heads, cdiv(seqlen_q, 128) * 128), dtype=torch.float32)
     softmax_d[:, :, :seqlen_q] = delta
     return softmax_d
 
@@ -261,13 +261,13 @@ def _lse_in_layout(softmax_lse, lse_shape: tuple, q) -> torch.Tensor:
     swapped = (*lse_shape[:-2], lse_shape[-1], lse_shape[-2])
     if isinstance(softmax_lse, torch.Tensor) and softmax_lse.dtype == torch.float32 and softmax_lse.device == q.device:
         shape = tuple(softmax_lse.shape)
-        # (checked first: a swapped view of flash-attn's layout, which with heads == seqlen has its shape too)
-        if shape == swapped and softmax_lse.stride(-2) == 1 and lse_shape[-1] > 1:
+        # (a swapped view of flash-attn's layout is told apart by its strides where heads == seqlen
+        # gives both layouts one shape)
+        swapped_view = softmax_lse.stride(-2) == 1 and lse_shape[-1] > 1
+        if shape == swapped and (shape != lse_shape or swapped_view):
             return softmax_lse.transpose(-1, -2)
         if shape == lse_shape:
             return softmax_lse
-        if shape == swapped:
-            return softmax_lse.transpose(-1, -2)
     raise ValueError(f"softmax_lse must be a float32 tensor of shape {lse_shape} (or {swapped}) on {q.device}, "
                      f"got {_describe(softmax_lse)}")
 

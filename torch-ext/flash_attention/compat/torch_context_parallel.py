@@ -29,7 +29,7 @@ import contextlib
 
 import torch
 
-from .entry_points import _flash_attn_backward, _flash_attn_forward
+from .entry_points import FLASH_ATTN_DTYPES, _flash_attn_backward, _flash_attn_forward
 
 SEQ_DIM = 2  # SDPA's (batch, heads, seqlen, headdim), as torch's ring takes it
 
@@ -123,7 +123,7 @@ def _backward_handler(op_call, args, kwargs):
 
 def _step(query, key, value, is_causal, scale=None, **_):
     """One ring step in SDPA's layout: (out, lse) of this block of keys."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
+    if query.dtype not in FLASH_ATTN_DTYPES:  # (the entry points refuse it too; this says why for this route)
         raise TypeError(f"kernels_in_torch_context_parallel: SDPA's inputs must be float16 or bfloat16 for this "
                         f"kernel's ring, got {query.dtype} (its backward reads the ring's merged output, which "
                         f"the fp32 path cannot)")
@@ -135,6 +135,6 @@ def _step(query, key, value, is_causal, scale=None, **_):
 def _step_backward(query, key, value, out, logsumexp, is_causal, grad_out, scale=None, **_):
     """One ring step's gradients in SDPA's layout, from the ring's merged out and logsumexp."""
     grads = [torch.empty(x.transpose(1, 2).shape, dtype=x.dtype, device=x.device) for x in (query, key, value)]
-    _flash_attn_backward(*(x.transpose(1, 2) for x in (grad_out, query, key, value, out)), logsumexp.contiguous(),
-                         *grads, 0.0, scale, is_causal, -1, -1, 0.0, None, False)
+    _flash_attn_backward(*(x.transpose(1, 2) for x in (grad_out, query, key, value, out)), logsumexp, *grads, 0.0,
+                         scale, is_causal, -1, -1, 0.0, None, False)
     return tuple(grad.transpose(1, 2) for grad in grads)
