@@ -15,8 +15,9 @@ and of every argument of another type, the range of the other ints, and of each 
 descriptor (the Gluon kernels' TMA descriptors) its tensor's dtype and alignment, its shape,
 strides, block shape, shared layout and padding. A finer key only costs
 an extra lookup through JITFunction.run, so it can never launch a kernel compiled for other
-arguments. The key is built from getters made once per tuple of argument types, as it is built
-on every launch.
+arguments. The key is built on every launch, so it is one Python expression generated once per
+signature (the arguments' types, the keywords' names and types: ``_ArgumentKinds``), not a loop
+over the arguments.
 
 Every kernel of the package launches through ``launcher``: tl and Gluon kernels alike. Direct
 launches are used only where they were checked: Triton versions in CHECKED_TRITON, eager calls
@@ -72,20 +73,16 @@ class DirectKernel:
 
     def _launch(self, grid, *args, **keywords):
         device = torch.cuda.current_device()
-        types = tuple(map(type, args))
-        kinds = self.kinds.get(types)
+        signature = (tuple(map(type, args)), tuple(keywords), tuple(map(type, keywords.values())))
+        kinds = self.kinds.get(signature)
         if kinds is None:
-            kinds = self.kinds[types] = _ArgumentKinds(types, self.specialized)
-        tensors = kinds.tensors(args)
-        descriptors = kinds.descriptors(args)
-        key = (device, types, *map(_identity, keywords.values()), *kinds.by_value(args), *[x.dtype for x in tensors],
-               *[x.data_ptr() % 16 == 0 for x in tensors], *[x in _INT32 for x in kinds.by_range(args)],
-               *[_descriptor_key(x) for x in descriptors])
+            kinds = self.kinds[signature] = _ArgumentKinds(*signature, self.specialized)
+        key = (device, signature, *kinds.key(args, keywords))
         entry = self.compiled.get(key)
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             compiled = self.kernel[grid](*args, **keywords)
             # (the objects keyed by identity stay alive with the entry, so no other object takes their id)
-            kept = (*keywords.values(), *[x.layout for x in descriptors if hasattr(x, "layout")])
+            kept = (*keywords.values(), *[x.layout for x in kinds.descriptors(args) if hasattr(x, "layout")])
             constexprs = tuple(keywords.get(name, default) for name, default in self.constexprs)
             self.compiled[key] = compiled, constexprs, kept
             return
@@ -100,26 +97,33 @@ class DirectKernel:
 _BY_VALUE = (int, bool, float, str, type(None), torch.dtype)
 
 
-def _identity(value):
-    return value if type(value) in _BY_VALUE else id(value)
-
-
 class _ArgumentKinds:
-    """For one tuple of argument types: getters of the tensors (keyed by dtype and alignment), of
-    the host tensor descriptors (``_descriptor_key``), of the ints the kernel specialises and the
-    arguments of other types (keyed by value: finer than Triton's facts about them), and of the
-    ints it does not (keyed by range)."""
+    """For one signature (the arguments' types, the keywords' names and their values' types):
+    ``key(args, keywords)``, the launch's facts as the module docstring lists them, as one
+    generated expression (a loop over ~60 arguments in Python costs more host time than the
+    launch): each tensor's dtype and 16-byte alignment, each host tensor descriptor's
+    ``_descriptor_key``, each int the kernel does not specialise by its range (int32 or not),
+    every other argument and keyword value by value, keyword values of other types than
+    ``_BY_VALUE``'s (Gluon layouts) by identity; and ``descriptors(args)``."""
 
-    def __init__(self, types: tuple, specialized: list):
-        def positions(wanted):
-            return [i for i, (kind, special) in enumerate(zip(types, specialized)) if wanted(kind, special)]
-
-        tensors = positions(lambda kind, special: issubclass(kind, torch.Tensor))
-        descriptors = positions(lambda kind, special: _is_descriptor(kind))
-        by_range = positions(lambda kind, special: issubclass(kind, int) and kind is not bool and not special)
-        by_value = sorted(set(range(len(types))) - set(tensors) - set(descriptors) - set(by_range))
-        self.tensors, self.descriptors, self.by_value, self.by_range = (
-            _getter(p) for p in (tensors, descriptors, by_value, by_range))
+    def __init__(self, types: tuple, names: tuple, keyword_types: tuple, specialized: list):
+        facts, descriptors = [], []
+        for i, (kind, special) in enumerate(zip(types, specialized)):
+            if issubclass(kind, torch.Tensor):
+                facts += [f"a[{i}].dtype", f"a[{i}].data_ptr() % 16 == 0"]
+            elif _is_descriptor(kind):
+                facts.append(f"descriptor_key(a[{i}])")
+                descriptors.append(i)
+            elif issubclass(kind, int) and kind is not bool and not special:
+                facts.append(f"{_INT32.start} <= a[{i}] < {_INT32.stop}")
+            else:
+                facts.append(f"a[{i}]")
+        for name, kind in zip(names, keyword_types):
+            facts.append(f"k[{name!r}]" if kind in _BY_VALUE else f"id(k[{name!r}])")
+        namespace = {"descriptor_key": _descriptor_key}
+        exec(f"def key(a, k):\n    return ({', '.join(facts)},)", namespace)
+        self.key = namespace["key"]
+        self.descriptors = _getter(descriptors)
 
 
 def _is_descriptor(kind) -> bool:
@@ -131,12 +135,28 @@ def _is_descriptor(kind) -> bool:
 
 def _descriptor_key(descriptor) -> tuple:
     """What a launch may specialise on of a host tensor descriptor, or finer: its tensor's dtype
-    and alignment, its shape, strides and block shape, and (Gluon's) shared layout (by identity,
-    as ``_identity``) and padding."""
+    and alignment, and ``descriptor_facts`` (computed once where ``with_launch_facts`` did)."""
     base = descriptor.base
-    return (base.dtype, base.data_ptr() % 16 == 0, *descriptor.shape, *descriptor.strides, *descriptor.block_shape,
-            id(getattr(descriptor, "layout", None)), getattr(descriptor, "padding", None),
-            getattr(descriptor, "round_f32_to_tf32", None))
+    facts = descriptor.__dict__.get(_FACTS)
+    return base.dtype, base.data_ptr() % 16 == 0, descriptor_facts(descriptor) if facts is None else facts
+
+
+def descriptor_facts(descriptor) -> tuple:
+    """A host tensor descriptor's shape, strides and block shape, and (Gluon's) shared layout (by
+    identity, as other keyword values not in ``_BY_VALUE``) and padding."""
+    return (*descriptor.shape, *descriptor.strides, *descriptor.block_shape, id(getattr(descriptor, "layout", None)),
+            getattr(descriptor, "padding", None), getattr(descriptor, "round_f32_to_tf32", None))
+
+
+_FACTS = "direct_launch_facts"
+
+
+def with_launch_facts(template):
+    """``template`` (a host tensor descriptor) holding its ``descriptor_facts``, for the
+    descriptors copied from it onto other tensors with its fields unchanged (hopper_gluon's
+    ``_rebased``): their launches then key the facts without recomputing them."""
+    template.__dict__[_FACTS] = descriptor_facts(template)
+    return template
 
 
 def _getter(positions: list):

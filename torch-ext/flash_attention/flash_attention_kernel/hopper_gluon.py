@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate  # (gluon.aggregate from Triton 3.9 on: the same)
 
+from .direct_launch import with_launch_facts
 from .hopper_route import KERNEL_BITS
 from .launch import RowGeometry, SequenceLayout, remembered
 from . import rules
@@ -73,8 +74,8 @@ def _tile_template(tensors, layout: SequenceLayout, rows) -> tuple:
     head_dim = tensors[0].shape[-1]
     geometry = [RowGeometry.of(x, layout) for x in tensors]
     descriptors = [
-        TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [block_rows, head_dim],
-                         _shared_layout(block_rows, head_dim, x.dtype))
+        with_launch_facts(TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [block_rows, head_dim],
+                                           _shared_layout(block_rows, head_dim, x.dtype)))
         for x, g, block_rows in zip(tensors, geometry, rows)
     ]
     return descriptors, tuple(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))
@@ -85,7 +86,8 @@ def vector_descriptor(x: torch.Tensor, block: int, layout) -> TensorDescriptor:
     of ``block`` elements with the shared ``layout``: checked once per (numel, dtype, block,
     layout), as ``tile_arguments``' descriptors are."""
     key = (x.numel(), x.dtype, block, id(layout))
-    template = remembered(_VECTOR_TEMPLATES, key, lambda: TensorDescriptor(x, [x.numel()], [1], [block], layout))
+    template = remembered(_VECTOR_TEMPLATES, key,
+                          lambda: with_launch_facts(TensorDescriptor(x, [x.numel()], [1], [block], layout)))
     return _rebased(template, x)
 
 
@@ -94,7 +96,8 @@ _VECTOR_TEMPLATES: dict = {}  # (each template holds its layout, so no other lay
 
 def _rebased(template: TensorDescriptor, tensor: torch.Tensor) -> TensorDescriptor:
     """``template`` over ``tensor``, which has the shape, strides, dtype and alignment of the
-    tensor it was checked on (so the dataclass's checks are not run again)."""
+    tensor it was checked on (so the dataclass's checks are not run again, and the launch facts
+    ``direct_launch.with_launch_facts`` put in the template hold for the copy too)."""
     descriptor = object.__new__(TensorDescriptor)
     descriptor.__dict__.update(template.__dict__)
     descriptor.base = tensor

@@ -121,21 +121,35 @@ class AttentionOptions:
         window_right, dropout_threshold, dropout_scale), as every kernel takes them; ``stand_in``
         (q) fills unused pointers (never read). For fp32 q the scale and the softcap are natural,
         without the factor log2(e) (scores.FP32_EXACT)."""
-        left, right = (min(bound, MAX_WINDOW) for bound in self.window)  # (int32 arithmetic in the kernels)
-        log2e = 1.0 if stand_in.dtype == torch.float32 else LOG2E
-        if self.softcap > 0:
-            score_scale, softcap_log2 = self.softmax_scale / self.softcap, self.softcap * log2e
-        else:
-            score_scale, softcap_log2 = self.softmax_scale * log2e, 0.0
         slopes = self.alibi_slopes
         stride_alibi_b = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
-        threshold = min(int(round(self.dropout_p * 256)), 255)  # (scores.dropout_keep)
         return (
             stand_in if slopes is None else slopes, stride_alibi_b,
             stand_in if self.sinks is None else self.sinks,
             stand_in if self.rng_state is None else self.rng_state,
-            score_scale, softcap_log2, left, right, threshold, 1.0 / (1.0 - self.dropout_p),
+            *(self._natural_scalar_args if stand_in.dtype == torch.float32 else self._scalar_args),
         )
+
+    @functools.cached_property
+    def _scalar_args(self) -> tuple:
+        """kernel_args' scalars for 2-byte inputs, computed once per options object (an eager
+        call without tensor options reuses one: ``unflatten``)."""
+        return self._scalars(LOG2E)
+
+    @functools.cached_property
+    def _natural_scalar_args(self) -> tuple:
+        """kernel_args' scalars for fp32 inputs: natural units."""
+        return self._scalars(1.0)
+
+    def _scalars(self, log2e: float) -> tuple:
+        """(score_scale, softcap_log2, window_left, window_right, dropout_threshold, dropout_scale)."""
+        left, right = (min(bound, MAX_WINDOW) for bound in self.window)  # (int32 arithmetic in the kernels)
+        if self.softcap > 0:
+            score_scale, softcap_log2 = self.softmax_scale / self.softcap, self.softcap * log2e
+        else:
+            score_scale, softcap_log2 = self.softmax_scale * log2e, 0.0
+        threshold = min(int(round(self.dropout_p * 256)), 255)  # (scores.dropout_keep)
+        return score_scale, softcap_log2, left, right, threshold, 1.0 / (1.0 - self.dropout_p)
 
 
 @functools.lru_cache(maxsize=1024)
