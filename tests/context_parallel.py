@@ -15,8 +15,11 @@ Cases (CASES): ring-flash-attn's ``ring_flash_attn_func`` (full and causal),
 all-gather scheme), yunchang's ``UlyssesAttention`` and ``LongContextAttention`` with its ring
 (ring degree 2), and PyTorch's own ``context_parallel`` through the experimental
 ``kernels_in_torch_context_parallel`` (SDPA's call, GQA by repeated k and v), each with GQA
-(4 query heads, 2 key/value heads) in bf16; and ``ring_dropout``: ring-flash-attn with dropout,
-whose backward (no rng_state per step) must be refused with a ValueError naming rng_state.
+(4 query heads, 2 key/value heads) in bf16; ``llama3_varlen_window_causal``: the llama3 scheme with
+a sliding window (WINDOW), which it carries (each query block gathers its keys, bottom-right
+aligned); and what a ring cannot carry, which must be refused with a ValueError naming the option
+(REFUSED): ``ring_dropout`` (its backward has no rng_state per step) and ``ring_window_causal`` (a
+window in a ring's block calls, which see block-local positions).
 """
 
 import contextlib
@@ -32,7 +35,11 @@ import torch
 SEQLEN, HEADS, HEADS_KV, HEAD_DIM = 64, 4, 2, 32  # per sequence, whole problem (every rank holds SEQLEN / world)
 VARLEN_LENGTHS = [20, 30, 14]  # packed sequences of the varlen case, 64 tokens in all
 CASES = ["ring", "ring_causal", "zigzag_causal", "llama3_varlen_causal", "ulysses_causal", "usp_ring_causal",
-         "torch_cp_causal", "ring_dropout"]
+         "torch_cp_causal", "llama3_varlen_window_causal", "ring_dropout", "ring_window_causal"]
+WINDOW = (8, 0)  # (left, right) of the window cases
+# case -> the ValueError its engine must raise
+REFUSED = {"ring_dropout": "rng_state: a backward with dropout_p > 0 needs the rng_state",
+           "ring_window_causal": r"window_size \(8, 0\): ring_flash_attn.ring_flash_attn runs"}
 
 
 def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float = 900) -> dict:
@@ -89,25 +96,27 @@ def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) 
                      for heads in (HEADS, HEADS_KV, HEADS_KV, HEADS))
     causal = "causal" in case
     scale = HEAD_DIM ** -0.5
-    shard, run = _ENGINES[case.rsplit("_causal", 1)[0]](fa, rank, world_size, causal, scale)
+    window = WINDOW if "window" in case else (-1, -1)
+    engine = _ENGINES[case.rsplit("_causal", 1)[0]]
+    shard, run = engine(fa, rank, world_size, causal, scale, **({"window": window} if "window" in case else {}))
     local = [shard(x).detach().clone().requires_grad_(x is not dout) for x in (q, k, v, dout)]
-    if case == "ring_dropout":  # what a ring cannot carry: each step's dropout mask in the backward
+    if case in REFUSED:  # what a ring cannot carry
         import re
 
         try:
             torch.autograd.grad(run(*local[:3]), local[:3], local[3])
         except ValueError as error:
-            if re.search("rng_state: a backward with dropout_p > 0 needs the rng_state", str(error)):
+            if re.search(REFUSED[case], str(error)):
                 return
             raise
-        raise AssertionError("ring_flash_attn_func with dropout: the backward did not refuse the missing rng_state")
+        raise AssertionError(f"{case}: the engine's call was not refused ({REFUSED[case]})")
     with getattr(run, "context", contextlib.nullcontext)():  # (what the backward must run in as well)
         out = run(*local[:3])
         grads = torch.autograd.grad(out, local[:3], local[3])
-    _check(fa, case, shard, (q, k, v, dout), out, grads, causal, scale)
+    _check(fa, case, shard, (q, k, v, dout), out, grads, causal, scale, window)
 
 
-def _check(fa, case, shard, inputs, out, grads, causal, scale) -> None:
+def _check(fa, case, shard, inputs, out, grads, causal, scale, window) -> None:
     """The rank's shard of out and of each gradient against the whole problem: within the error
     bars of the float64 truth, and as close to single-process flash_attn_func as that allows."""
     from reference import assert_within_bar, run_ref, run_varlen_ref
@@ -116,20 +125,20 @@ def _check(fa, case, shard, inputs, out, grads, causal, scale) -> None:
     if case.startswith("llama3"):
         cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
         flat = [x[0] for x in inputs]
-        truth, truth_grads, _ = run_varlen_ref(*flat[:3], flat[3], cu, cu, causal, scale, torch.float64)
-        same, same_grads, _ = run_varlen_ref(*flat[:3], flat[3], cu, cu, causal, scale, q.dtype)
+        truth, truth_grads, _ = run_varlen_ref(*flat[:3], flat[3], cu, cu, causal, scale, torch.float64, window=window)
+        same, same_grads, _ = run_varlen_ref(*flat[:3], flat[3], cu, cu, causal, scale, q.dtype, window=window)
         truth, same = truth[None], same[None]
         truth_grads, same_grads = [g[None] for g in truth_grads], [g[None] for g in same_grads]
         leaves = [x[0].detach().requires_grad_() for x in (q, k, v)]
         single = fa.flash_attn_varlen_func(*leaves, cu, cu, max(VARLEN_LENGTHS), max(VARLEN_LENGTHS),
-                                           softmax_scale=scale, causal=causal)
+                                           softmax_scale=scale, causal=causal, window_size=window)
         single_grads = [g[None] for g in torch.autograd.grad(single, leaves, flat[3])]
         single = single[None]
     else:
-        truth, truth_grads = run_ref(q, k, v, dout, causal, scale, torch.float64)
-        same, same_grads = run_ref(q, k, v, dout, causal, scale, q.dtype)
+        truth, truth_grads = run_ref(q, k, v, dout, causal, scale, torch.float64, window=window)
+        same, same_grads = run_ref(q, k, v, dout, causal, scale, q.dtype, window=window)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        single = fa.flash_attn_func(*leaves, softmax_scale=scale, causal=causal)
+        single = fa.flash_attn_func(*leaves, softmax_scale=scale, causal=causal, window_size=window)
         single_grads = torch.autograd.grad(single, leaves, dout)
     assert_within_bar(f"{case} out", out, shard(same), shard(truth), 2)
     assert_within_bar(f"{case} out against flash_attn_func", out, shard(same), shard(single), 2)
@@ -149,11 +158,11 @@ def import_ring_flash_attn():
     return ring_flash_attn
 
 
-def _ring(fa, rank, world_size, causal, scale):
+def _ring(fa, rank, world_size, causal, scale, window=(-1, -1)):
     ring_flash_attn_func = import_ring_flash_attn().ring_flash_attn_func
 
     return (lambda x: x.chunk(world_size, dim=1)[rank],
-            lambda q, k, v: ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
+            lambda q, k, v: ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window))
 
 
 def _zigzag(fa, rank, world_size, causal, scale):
@@ -179,7 +188,7 @@ def _head_tail_shard(rank, world_size):
     return shard
 
 
-def _llama3_varlen(fa, rank, world_size, causal, scale):
+def _llama3_varlen(fa, rank, world_size, causal, scale, window=(-1, -1)):
     engine = import_ring_flash_attn()
     llama3_flash_attn_prepare_cu_seqlens = engine.llama3_flash_attn_prepare_cu_seqlens
     llama3_flash_attn_varlen_func = engine.llama3_flash_attn_varlen_func
@@ -194,7 +203,8 @@ def _llama3_varlen(fa, rank, world_size, causal, scale):
 
     def run(q, k, v):
         return llama3_flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, heads_k_stride=1,
-                                             local_k_slice=local_k_slice, softmax_scale=scale, causal=causal)[None]
+                                             local_k_slice=local_k_slice, softmax_scale=scale, causal=causal,
+                                             window_size=window)[None]
 
     return lambda x: x[:, rank * per_rank:(rank + 1) * per_rank], run
 
@@ -259,4 +269,4 @@ def _torch_cp(fa, rank, world_size, causal, scale):
 
 _ENGINES = {"ring": _ring, "zigzag": _zigzag, "llama3_varlen": _llama3_varlen, "ulysses": _ulysses,
             "usp_ring": _usp_ring, "torch_cp": _torch_cp,
-            "ring_dropout": _ring_dropout}
+            "ring_dropout": _ring_dropout, "ring_window": _ring, "llama3_varlen_window": _llama3_varlen}

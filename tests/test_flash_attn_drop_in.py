@@ -490,3 +490,40 @@ def test_run_with_flash_attn_runs_an_unchanged_script(build_dir, tmp_path):
     assert result.stdout.strip().splitlines()[-2:] == ["(True, '2.8.3') ['flash_attn']",
                                                        "2.8.3 7 ['--an-argument', 'x'] __main__"]
 
+
+
+def _call_from(module_name: str, function, **arguments):
+    """``function(**arguments)`` called from a module named ``module_name`` (an engine's block
+    loop, which holds the ``process_group`` it runs over)."""
+    namespace = {"__name__": module_name, "forward": function}
+    exec("def block_loop(process_group, arguments):\n    return forward(**arguments)\n", namespace)
+    return namespace["block_loop"](None, arguments)
+
+
+@pytest.mark.parametrize("option", ["window", "alibi"])
+def test_positions_across_ring_blocks_are_refused(fa, flash_attn, monkeypatch, option):
+    """A window or ALiBi inside a ring's block loop over more than one rank raises a ValueError
+    naming the option (each block call sees block-local positions); over one rank, outside a ring
+    engine, and in ring-flash-attn's llama3 scheme (which gathers each query block's keys) it runs."""
+    from flash_attn.flash_attn_interface import _flash_attn_forward
+
+    q, k, v = random_qkv((1, 17, 2, 32), (1, 17, 2, 32), BF16)
+    arguments = dict(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=None, causal=True, window_size_left=-1,
+                     window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
+    if option == "window":
+        arguments.update(window_size_left=4, window_size_right=0)
+    else:
+        arguments.update(alibi_slopes=torch.rand(2, device=DEVICE, dtype=torch.float32))
+    single = _flash_attn_forward(**arguments)[0]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    for ranks, module, refused in ((2, "ring_flash_attn.zigzag_ring_flash_attn", True),
+                                   (2, "yunchang.ring.ring_flash_attn", True),
+                                   (1, "ring_flash_attn.ring_flash_attn", False),
+                                   (2, "ring_flash_attn.llama3_flash_attn_varlen", False),
+                                   (2, "my_training_loop", False)):
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None, ranks=ranks: ranks)
+        if refused:
+            with pytest.raises(ValueError, match="alibi_slopes" if option == "alibi" else r"window_size \(4, 0\)"):
+                _call_from(module, _flash_attn_forward, **arguments)
+        else:
+            assert torch.equal(_call_from(module, _flash_attn_forward, **arguments)[0], single), module

@@ -32,7 +32,13 @@ engines sum. So the entry points refuse fp32, as flash-attn does: its fp32 path 
 this call's own probabilities (docs/design.md), which a merged out would contradict. Dropout
 needs the forward's rng_state in the backward (the engines that do not carry it get a ValueError
 instead of a different mask), and a backward given it draws nothing from PyTorch's generator.
-``deterministic`` is accepted and ignored: the backward has no atomics, so it is always
+A window or ALiBi needs each query's distance to each key, which a call on one block pair of a ring
+cannot see: its queries and keys start at positions of the whole sequence that it is not told, so
+flash-attn applies them in the blocks' own coordinates, silently wrong. The forward raises a
+ValueError naming the option instead when a ring engine's block loop calls it
+(``RING_ENGINE_MODULES``, over a process group of more than one rank); ring-flash-attn's llama3
+scheme gathers all the keys up to its queries, bottom-right aligned, so distances stay right there
+and it is not refused. ``deterministic`` is accepted and ignored: the backward has no atomics, so it is always
 deterministic. ``zero_tensors`` (varlen) zeroes what flash-attn's zeroes: the output rows of q past
 the last sequence (their lse -inf) and, in the backward, dq, dk, dv before the kernels write the
 sequences' rows. ``leftpad_k`` and ``seqused_k`` are not supported (NotImplementedError). Where
@@ -44,6 +50,7 @@ and padded).
 they are the same functions, which trace under torch.compile through this package's own ops.
 """
 
+import sys
 from typing import Optional
 
 import torch
@@ -54,6 +61,12 @@ from ..interface import DENSE, NO_LAYOUT, VARLEN
 from ..torch_ops import run_attention, run_backward_into, run_op
 
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+# The modules whose block loops call the private forward on one (query block, key block) pair of a
+# sequence split across ranks (module docstring): ring-flash-attn's ring, zigzag and stripe schemes
+# (dense and varlen) and yunchang's copies of them
+RING_ENGINE_MODULES = ("ring_flash_attn.ring_flash_attn", "ring_flash_attn.zigzag_ring_flash_attn",
+                       "ring_flash_attn.stripe_flash_attn", "yunchang.ring.")
+_CALLERS_LOOKED_AT = 8  # (frames up from the entry point: yunchang reaches it through its kernel wrappers)
 
 
 def _flash_attn_forward(
@@ -204,6 +217,8 @@ _wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
 
 def _forward(q, k, v, layout, batch, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
              alibi_slopes, return_softmax):
+    if alibi_slopes is not None or window_size_left >= 0 or window_size_right >= 0:
+        _refuse_positions_in_a_ring(window_size_left, window_size_right, alibi_slopes)
     options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal,
                                         (window_size_left, window_size_right), _softcap(softcap), alibi_slopes, None)
     with torch.no_grad():
@@ -229,6 +244,31 @@ def _backward(dout, q, k, v, out, softmax_lse, grads, layout, batch, dropout_p, 
     with torch.no_grad():
         delta = run_backward_into(grads, dout, q, k, v, out, softmax_lse, layout, options)
     return delta * (1.0 - options.dropout_p) if options.dropout_p > 0 else delta
+
+
+def _refuse_positions_in_a_ring(window_size_left, window_size_right, alibi_slopes) -> None:
+    """ValueError where a ring engine's block loop (``RING_ENGINE_MODULES``) called the forward
+    with a window or ALiBi over more than one rank (module docstring). The engine's frame holds
+    the ``process_group`` it was given (None: the default group)."""
+    frame = sys._getframe(2)
+    for _ in range(_CALLERS_LOOKED_AT):
+        if frame is None:
+            return
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(RING_ENGINE_MODULES):
+            group = frame.f_locals.get("process_group")
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+                option = "alibi_slopes" if alibi_slopes is not None else \
+                    f"window_size ({window_size_left}, {window_size_right})"
+                raise ValueError(
+                    f"{option}: {module} runs flash-attn's forward on one pair of sequence blocks at a time, "
+                    "whose queries and keys start at positions of the whole sequence that the call is not told, "
+                    "so a window or ALiBi would be measured from each block's own start (flash-attn gives that "
+                    "wrong result silently). Run the ring without it, or use ring_flash_attn's "
+                    "llama3_flash_attn_varlen_func, which gathers each query block's keys so that distances "
+                    "stay right")
+            return
+        frame = frame.f_back
 
 
 def _check_dtype(q: torch.Tensor) -> None:
