@@ -492,12 +492,16 @@ def test_run_with_flash_attn_runs_an_unchanged_script(build_dir, tmp_path):
 
 
 
-def _call_from(module_name: str, function, **arguments):
-    """``function(**arguments)`` called from a module named ``module_name`` (an engine's block
-    loop, which holds the ``process_group`` it runs over)."""
+def _call_from(module_name: str, function, group, **arguments):
+    """``function(**arguments)`` called as ring-flash-attn's zigzag scheme calls the forward: from
+    a per-block helper inside the engine's function, which holds the ``process_group`` it runs
+    over, both in a module named ``module_name``."""
     namespace = {"__name__": module_name, "forward": function}
-    exec("def block_loop(process_group, arguments):\n    return forward(**arguments)\n", namespace)
-    return namespace["block_loop"](None, arguments)
+    exec("def engine(process_group, arguments):\n"
+         "    def block(arguments):\n"
+         "        return forward(**arguments)\n"
+         "    return block(arguments)\n", namespace)
+    return namespace["engine"](group, arguments)
 
 
 @pytest.mark.parametrize("option", ["window", "alibi"])
@@ -516,14 +520,15 @@ def test_positions_across_ring_blocks_are_refused(fa, flash_attn, monkeypatch, o
         arguments.update(alibi_slopes=torch.rand(2, device=DEVICE, dtype=torch.float32))
     single = _flash_attn_forward(**arguments)[0]
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    group = object()  # (the engine's process group: only its size counts, not the default group's)
     for ranks, module, refused in ((2, "ring_flash_attn.zigzag_ring_flash_attn", True),
                                    (2, "yunchang.ring.ring_flash_attn", True),
                                    (1, "ring_flash_attn.ring_flash_attn", False),
                                    (2, "ring_flash_attn.llama3_flash_attn_varlen", False),
                                    (2, "my_training_loop", False)):
-        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None, ranks=ranks: ranks)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda g=None, ranks=ranks: ranks if g is group else 8)
         if refused:
             with pytest.raises(ValueError, match="alibi_slopes" if option == "alibi" else r"window_size \(4, 0\)"):
-                _call_from(module, _flash_attn_forward, **arguments)
+                _call_from(module, _flash_attn_forward, group, **arguments)
         else:
-            assert torch.equal(_call_from(module, _flash_attn_forward, **arguments)[0], single), module
+            assert torch.equal(_call_from(module, _flash_attn_forward, group, **arguments)[0], single), module

@@ -248,27 +248,29 @@ def _backward(dout, q, k, v, out, softmax_lse, grads, layout, batch, dropout_p, 
 
 def _refuse_positions_in_a_ring(window_size_left, window_size_right, alibi_slopes) -> None:
     """ValueError where a ring engine's block loop (``RING_ENGINE_MODULES``) called the forward
-    with a window or ALiBi over more than one rank (module docstring). The engine's frame holds
-    the ``process_group`` it was given (None: the default group)."""
-    frame = sys._getframe(2)
+    with a window or ALiBi over more than one rank (module docstring). The ring runs over the
+    ``process_group`` its function was given: that of the engine's innermost frame holding one
+    (zigzag's per-block helper, the direct caller, holds none), else the default group."""
+    engine_frames, frame = [], sys._getframe(2)
     for _ in range(_CALLERS_LOOKED_AT):
         if frame is None:
-            return
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(RING_ENGINE_MODULES):
-            group = frame.f_locals.get("process_group")
-            if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-                option = "alibi_slopes" if alibi_slopes is not None else \
-                    f"window_size ({window_size_left}, {window_size_right})"
-                raise ValueError(
-                    f"{option}: {module} runs flash-attn's forward on one pair of sequence blocks at a time, "
-                    "whose queries and keys start at positions of the whole sequence that the call is not told, "
-                    "so a window or ALiBi would be measured from each block's own start (flash-attn gives that "
-                    "wrong result silently). Run the ring without it, or use ring_flash_attn's "
-                    "llama3_flash_attn_varlen_func, which gathers each query block's keys so that distances "
-                    "stay right")
-            return
+            break
+        if frame.f_globals.get("__name__", "").startswith(RING_ENGINE_MODULES):
+            engine_frames.append(frame)
+        elif engine_frames:
+            break
         frame = frame.f_back
+    if not engine_frames or not torch.distributed.is_initialized():
+        return
+    group = next((f.f_locals["process_group"] for f in engine_frames if "process_group" in f.f_locals), None)
+    if torch.distributed.get_world_size(group) > 1:
+        option = "alibi_slopes" if alibi_slopes is not None else f"window_size ({window_size_left}, {window_size_right})"
+        raise ValueError(
+            f"{option}: {engine_frames[0].f_globals['__name__']} runs flash-attn's forward on one pair of sequence "
+            "blocks at a time, whose queries and keys start at positions of the whole sequence that the call is not "
+            "told, so a window or ALiBi would be measured from each block's own start (flash-attn gives that wrong "
+            "result silently). Run the ring without it, or use ring_flash_attn's llama3_flash_attn_varlen_func, "
+            "which gathers each query block's keys so that distances stay right")
 
 
 def _check_dtype(q: torch.Tensor) -> None:
