@@ -3,7 +3,8 @@
 ``run_ranks(case, build_dir, world_size)`` starts ``world_size`` processes (spawned; each inherits
 the test process's environment, so TRITON_INTERPRET too), joins them in a torch.distributed group
 (NCCL over one GPU per rank where there are enough GPUs, else gloo on the CPU through Triton's
-interpreter, which each rank turns on for itself: a one-GPU machine runs the CPU ranks too), and
+interpreter: a machine with fewer GPUs than ranks spawns them with no GPU visible and the
+interpreter on, so that they run exactly as on a machine without one, ``_cpu_ranks``), and
 runs ``case`` in each: the engine on the rank's shard of one random problem, against the whole
 problem on this rank alone. Each rank checks its shard of the output and of
 every gradient against the float64 truth within the project's error bars (2x PyTorch's error in
@@ -50,8 +51,9 @@ def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float 
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
         probe.close()
-        context = mp.start_processes(_rank_main, args=(world_size, port, str(build_dir), case, results),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        with _cpu_ranks(world_size):
+            context = mp.start_processes(_rank_main, args=(world_size, port, str(build_dir), case, results),
+                                         nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=5):
             if time.monotonic() > deadline:
@@ -59,6 +61,26 @@ def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float 
                     process.kill()
                 raise TimeoutError(f"{case}: the ranks did not finish in {timeout_s} s")
         return {rank: (Path(results) / f"{rank}.txt").read_text() for rank in range(world_size)}
+
+
+@contextlib.contextmanager
+def _cpu_ranks(world_size: int):
+    """Within the block, where this machine lacks a GPU per rank (or runs the interpreter), the
+    environment the ranks are spawned with hides every GPU (CUDA_VISIBLE_DEVICES empty) and turns
+    the interpreter on; the test process's own environment comes back after it."""
+    on_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
+        and torch.cuda.device_count() >= world_size
+    changes = {} if on_gpus else {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _rank_main(rank: int, world_size: int, port: int, build_dir: str, case: str, results: str) -> None:
@@ -77,13 +99,10 @@ def _rank_main(rank: int, world_size: int, port: int, build_dir: str, case: str,
 def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) -> None:
     import torch.distributed as dist
 
-    on_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
-        and torch.cuda.device_count() >= world_size
+    on_gpus = torch.cuda.is_available()  # (_cpu_ranks hid the GPUs unless there is one per rank)
     device = torch.device(f"cuda:{rank}") if on_gpus else torch.device("cpu")
     if on_gpus:
         torch.cuda.set_device(device)
-    else:  # (fewer GPUs than ranks: CPU ranks, which need the interpreter, set before triton is imported)
-        os.environ["TRITON_INTERPRET"] = "1"
     import kernels
     dist.init_process_group("nccl" if on_gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
