@@ -24,12 +24,14 @@ window in a ring's block calls, which see block-local positions).
 """
 
 import contextlib
+import functools
 import os
 import socket
 import tempfile
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -63,24 +65,13 @@ def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float 
         return {rank: (Path(results) / f"{rank}.txt").read_text() for rank in range(world_size)}
 
 
-@contextlib.contextmanager
 def _cpu_ranks(world_size: int):
-    """Within the block, where this machine lacks a GPU per rank (or runs the interpreter), the
-    environment the ranks are spawned with hides every GPU (CUDA_VISIBLE_DEVICES empty) and turns
-    the interpreter on; the test process's own environment comes back after it."""
+    """A context within which, where this machine lacks a GPU per rank (or runs the interpreter),
+    the environment the ranks are spawned with hides every GPU (CUDA_VISIBLE_DEVICES empty) and
+    turns the interpreter on; the test process's own environment comes back after it."""
     on_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
         and torch.cuda.device_count() >= world_size
-    changes = {} if on_gpus else {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
-    saved = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return mock.patch.dict(os.environ, {} if on_gpus else {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"})
 
 
 def _rank_main(rank: int, world_size: int, port: int, build_dir: str, case: str, results: str) -> None:
@@ -115,9 +106,8 @@ def _run_case(rank: int, world_size: int, port: int, build_dir: str, case: str) 
                      for heads in (HEADS, HEADS_KV, HEADS_KV, HEADS))
     causal = "causal" in case
     scale = HEAD_DIM ** -0.5
-    window = WINDOW if "window" in case else (-1, -1)
-    engine = _ENGINES[case.rsplit("_causal", 1)[0]]
-    shard, run = engine(fa, rank, world_size, causal, scale, **({"window": window} if "window" in case else {}))
+    window = WINDOW if "window" in case else (-1, -1)  # (what the window cases' engines pass: _ENGINES)
+    shard, run = _ENGINES[case.rsplit("_causal", 1)[0]](fa, rank, world_size, causal, scale)
     local = [shard(x).detach().clone().requires_grad_(x is not dout) for x in (q, k, v, dout)]
     if case in REFUSED:  # what a ring cannot carry
         import re
@@ -177,11 +167,12 @@ def import_ring_flash_attn():
     return ring_flash_attn
 
 
-def _ring(fa, rank, world_size, causal, scale, window=(-1, -1)):
+def _ring(fa, rank, world_size, causal, scale, **options):
+    """ring_flash_attn_func on contiguous shards, with ``options`` (its dropout_p, window_size...)."""
     ring_flash_attn_func = import_ring_flash_attn().ring_flash_attn_func
 
     return (lambda x: x.chunk(world_size, dim=1)[rank],
-            lambda q, k, v: ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window))
+            lambda q, k, v: ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **options))
 
 
 def _zigzag(fa, rank, world_size, causal, scale):
@@ -189,12 +180,6 @@ def _zigzag(fa, rank, world_size, causal, scale):
 
     return (_head_tail_shard(rank, world_size),
             lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=causal))
-
-
-def _ring_dropout(fa, rank, world_size, causal, scale):
-    ring_flash_attn_func = import_ring_flash_attn().ring_flash_attn_func
-    return (lambda x: x.chunk(world_size, dim=1)[rank],
-            lambda q, k, v: ring_flash_attn_func(q, k, v, dropout_p=0.1, softmax_scale=scale, causal=causal))
 
 
 def _head_tail_shard(rank, world_size):
@@ -207,7 +192,7 @@ def _head_tail_shard(rank, world_size):
     return shard
 
 
-def _llama3_varlen(fa, rank, world_size, causal, scale, window=(-1, -1)):
+def _llama3_varlen(fa, rank, world_size, causal, scale, **options):
     engine = import_ring_flash_attn()
     llama3_flash_attn_prepare_cu_seqlens = engine.llama3_flash_attn_prepare_cu_seqlens
     llama3_flash_attn_varlen_func = engine.llama3_flash_attn_varlen_func
@@ -223,7 +208,7 @@ def _llama3_varlen(fa, rank, world_size, causal, scale, window=(-1, -1)):
     def run(q, k, v):
         return llama3_flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, heads_k_stride=1,
                                              local_k_slice=local_k_slice, softmax_scale=scale, causal=causal,
-                                             window_size=window)[None]
+                                             **options)[None]
 
     return lambda x: x[:, rank * per_rank:(rank + 1) * per_rank], run
 
@@ -288,4 +273,6 @@ def _torch_cp(fa, rank, world_size, causal, scale):
 
 _ENGINES = {"ring": _ring, "zigzag": _zigzag, "llama3_varlen": _llama3_varlen, "ulysses": _ulysses,
             "usp_ring": _usp_ring, "torch_cp": _torch_cp,
-            "ring_dropout": _ring_dropout, "ring_window": _ring, "llama3_varlen_window": _llama3_varlen}
+            "ring_dropout": functools.partial(_ring, dropout_p=0.1),
+            "ring_window": functools.partial(_ring, window_size=WINDOW),
+            "llama3_varlen_window": functools.partial(_llama3_varlen, window_size=WINDOW)}
