@@ -6,10 +6,8 @@ planner, the Gluon argument builders, the direct launch) and Triton's launcher
 (``CudaLauncher.__call__``, ``make_tensordesc_arg``) in perf_counter timers and prints each one's
 inclusive time per forward + backward step (bf16, batch 1, N = --seqlen, 16 heads of 128, causal),
 with the Gluon kernels on and off (FLASH_ATTENTION_GLUON). A wrapper costs well under a
-microsecond, so the step's total runs a little above the unwrapped time. Then, unwrapped, the
-eager time per call (100 back-to-back calls, one synchronisation: "issue" until the last call
-returned, "wall" until the GPU finished) and the CUDA-graph time of the forward, for this package
-and SDPA FLASH / CUDNN, at N = --seqlen (batch 1) and at 16k tokens of N = 1024.
+microsecond, so the step's total runs a little above the unwrapped time. The calls' eager and
+CUDA-graph times beside SDPA are bench_host.py's (its host and scaling sections).
 
 Usage: python benchmarks/host_pieces.py [--seqlen 128]     (after scripts/build_variants.py, on a GPU)
 """
@@ -17,17 +15,14 @@ Usage: python benchmarks/host_pieces.py [--seqlen 128]     (after scripts/build_
 import argparse
 import functools
 import os
-import statistics
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import issue_and_wall_us  # noqa: E402
 from bench_flash_attention import load_kernel  # noqa: E402
 
 HEADS, HEAD_DIM = 16, 128
@@ -95,44 +90,6 @@ def wrap_layers(fa, timers):
     driver.CudaLauncher.__call__ = timers.wrap("triton CudaLauncher.__call__", driver.CudaLauncher.__call__)
 
 
-def eager_us(fn, calls=100, runs=5):
-    runs = [issue_and_wall_us(fn, calls, warmup=10 if i == 0 else 0) for i in range(runs)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
-
-def graph_us(fn):
-    import triton
-
-    return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
-
-
-def eager_table(fa, seqlen):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    print("\n| call | issue us | wall us | graph us (forward) |\n|---|---|---|---|")
-    for batch, n in ((1, seqlen), (16384 // 1024, 1024)):
-        (q, k, v), dout = inputs(batch, n)
-        qt, kt, vt, dt = (x.transpose(1, 2) for x in (q, k, v, dout))
-        for gluon in ("1", "0"):
-            os.environ["FLASH_ATTENTION_GLUON"] = gluon
-            fwd = functools.partial(fa.flash_attn_func, q, k, v, causal=True)
-            rows = (("fwd", fwd, graph_us(fwd)), ("fwd+bwd", lambda: torch.autograd.grad(fwd(), (q, k, v), dout), None))
-            for name, fn, graph in rows:
-                issue, wall = eager_us(fn)
-                print(f"| this package, GLUON={gluon}, {name}, batch {batch}, N={n} | {issue:.1f} | {wall:.1f} | "
-                      f"{'' if graph is None else f'{graph:.1f}'} |")
-        os.environ.pop("FLASH_ATTENTION_GLUON")
-        for label, backend in (("SDPA FLASH", SDPBackend.FLASH_ATTENTION), ("SDPA CUDNN", SDPBackend.CUDNN_ATTENTION)):
-            with sdpa_kernel([backend]):
-                fwd = functools.partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
-                rows = (("fwd", fwd, graph_us(fwd)),
-                        ("fwd+bwd", lambda: torch.autograd.grad(fwd(), (q, k, v), dt), None))
-                for name, fn, graph in rows:
-                    issue, wall = eager_us(fn)
-                    print(f"| {label}, {name}, batch {batch}, N={n} | {issue:.1f} | {wall:.1f} | "
-                          f"{'' if graph is None else f'{graph:.1f}'} |")
-
-
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqlen", type=int, default=128)
@@ -143,16 +100,18 @@ def main(argv):
     fa = load_kernel()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"Triton {__import__('triton').__version__}")
-    eager_table(fa, args.seqlen)  # (unwrapped; also compiles every kernel the steps below launch)
+    (q, k, v), dout = inputs(1, args.seqlen)
+
+    def step():
+        return torch.autograd.grad(fa.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+
+    for gluon in ("1", "0"):  # (compiles the kernels and imports the Gluon modules, which wrap_layers wraps)
+        os.environ["FLASH_ATTENTION_GLUON"] = gluon
+        step()
     timers = Timers()
     wrap_layers(fa, timers)
-    (q, k, v), dout = inputs(1, args.seqlen)
     for gluon in ("1", "0"):
         os.environ["FLASH_ATTENTION_GLUON"] = gluon
-
-        def step():
-            return torch.autograd.grad(fa.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
-
         for _ in range(20):
             step()
         torch.cuda.synchronize()
