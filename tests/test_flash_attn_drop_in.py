@@ -491,7 +491,6 @@ def test_run_with_flash_attn_runs_an_unchanged_script(build_dir, tmp_path):
                                                        "2.8.3 7 ['--an-argument', 'x'] __main__"]
 
 
-
 def _call_from(module_name: str, function, group, **arguments):
     """``function(**arguments)`` called as ring-flash-attn's zigzag scheme calls the forward: from
     a per-block helper inside the engine's function, which holds the ``process_group`` it runs

@@ -39,9 +39,9 @@ ValueError naming the option instead when a ring engine's block loop calls it
 (``RING_ENGINE_MODULES``, over a process group of more than one rank); ring-flash-attn's llama3
 scheme gathers all the keys up to its queries, bottom-right aligned, so distances stay right there
 and it is not refused. ``deterministic`` is accepted and ignored: the backward has no atomics, so
-it is always deterministic. ``zero_tensors`` (varlen) zeroes what flash-attn's zeroes: the output rows of q past
-the last sequence (their lse -inf) and, in the backward, dq, dk, dv before the kernels write the
-sequences' rows. ``leftpad_k`` and ``seqused_k`` are not supported (NotImplementedError). Where
+it is always deterministic. ``zero_tensors`` (varlen) zeroes what flash-attn's zeroes: the output
+rows of q past the last sequence (their lse -inf) and, in the backward, dq, dk, dv before the
+kernels write the sequences' rows. ``leftpad_k`` and ``seqused_k`` are not supported (NotImplementedError). Where
 flash-attn differs on purpose: ``return_softmax`` without dropout returns an empty S_dmask instead
 of raising, and S_dmask holds the normalised probabilities (flash-attn's own are unnormalised
 and padded).
