@@ -65,13 +65,19 @@ def run_ranks(case: str, build_dir: Path, world_size: int = 2, timeout_s: float 
         return {rank: (Path(results) / f"{rank}.txt").read_text() for rank in range(world_size)}
 
 
-def _cpu_ranks(world_size: int):
-    """A context within which, where this machine lacks a GPU per rank (or runs the interpreter),
-    the environment the ranks are spawned with hides every GPU (CUDA_VISIBLE_DEVICES empty) and
-    turns the interpreter on; the test process's own environment comes back after it."""
-    on_gpus = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
+def ranks_on_gpus(world_size: int) -> bool:
+    """Whether the ranks run one per GPU (NCCL): this machine has a GPU per rank and the test does
+    not run the interpreter. Else they are CPU ranks (``_cpu_ranks``)."""
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
         and torch.cuda.device_count() >= world_size
-    return mock.patch.dict(os.environ, {} if on_gpus else {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"})
+
+
+def _cpu_ranks(world_size: int):
+    """A context within which, where the ranks cannot run one per GPU, the environment they are
+    spawned with hides every GPU (CUDA_VISIBLE_DEVICES empty) and turns the interpreter on; the
+    test process's own environment comes back after it."""
+    cpu = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    return mock.patch.dict(os.environ, {} if ranks_on_gpus(world_size) else cpu)
 
 
 def _rank_main(rank: int, world_size: int, port: int, build_dir: str, case: str, results: str) -> None:
