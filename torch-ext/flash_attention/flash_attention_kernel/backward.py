@@ -48,6 +48,7 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .planner import DELTA_FP32_PASS, DELTA_IN_DQ, plan_backward
+from .replay import replayed
 from .scores import (
     DROPOUT, FP32_EXACT, MASK_LEFT, MASK_RIGHT, SINKS, dropout_keep, exp_logits, head_options, key_tile_ranges,
     logit_unit, logit_units, logits, logits_grad, query_tile_ranges, query_tile_start, score_grads, visible,
@@ -427,6 +428,7 @@ def _attn_bwd_dq_kernel(
 
 
 @on_tensor_device
+@replayed
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=None, cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, grads=None,
                        delta_out=None, wrap_kernel=identity_wrap):

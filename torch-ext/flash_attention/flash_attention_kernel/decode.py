@@ -52,6 +52,7 @@ from .launch import (
     kernel_variant, last_dim_contiguous, launch_fitting, on_tensor_device, precision_mode, refitted,
 )
 from .options import AttentionOptions
+from .replay import replayed
 from .rotary import load_rotated_rows
 from .scores import ALIBI, MASK_LEFT, SINKS, head_options, row_start, rows_key_tile_ranges
 from .tiles import kv_sources, store_rows
@@ -338,6 +339,7 @@ def _decode_setup(device, dtype, batch, seqlen_q, num_heads, head_dim, heads_k, 
 
 
 @on_tensor_device
+@replayed
 def attention_with_kvcache(q, k_cache, v_cache, options: AttentionOptions, k_new=None, v_new=None, rotary_cos=None,
                            rotary_sin=None, cache_seqlens=None, cache_seqlen: int = 0, cache_batch_idx=None,
                            cache_leftpad=None, block_table=None, rotary_interleaved: bool = True, num_splits: int = 0,

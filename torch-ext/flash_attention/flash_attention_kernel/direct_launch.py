@@ -26,9 +26,11 @@ and no launch hooks (a profiler sets them; JITFunction.run then calls them).
 FLASH_ATTENTION_DIRECT_LAUNCH=0 turns them off.
 """
 
+import contextlib
 import functools
 import operator
 import os
+import threading
 
 import torch
 import triton
@@ -49,6 +51,33 @@ def _hooked(hook) -> bool:
     """Whether a launch hook is set: since Triton 3.6 hooks are chains (``HookChain``), empty
     when none is set; before, a callable or None."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch_hooked() -> bool:
+    """Whether a launch enter or exit hook is set (a profiler's): launches must then go through
+    JITFunction.run, which calls them."""
+    return knobs is not None and (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook))
+
+
+# The launches of this thread's recording (replay.record), or None: each a (compiled kernel, grid,
+# arguments, constexprs), or None for a launch that did not go through a DirectKernel
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """A ``with`` block whose launches on this thread are appended to the list it gives."""
+    launches = _RECORDING.launches = []
+    try:
+        yield launches
+    finally:
+        _RECORDING.launches = None
+
+
+def _recorded(launch) -> None:
+    launches = getattr(_RECORDING, "launches", None)
+    if launches is not None:
+        launches.append(launch)
 
 
 class DirectKernel:
@@ -79,17 +108,19 @@ class DirectKernel:
             kinds = self.kinds[signature] = _ArgumentKinds(*signature, self.specialized)
         key = (device, signature, *kinds.key(args, keywords))
         entry = self.compiled.get(key)
-        if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        if entry is None or launch_hooked():
             compiled = self.kernel[grid](*args, **keywords)
             # (the objects keyed by identity stay alive with the entry, so no other object takes their id)
             kept = (*keywords.values(), *[x.layout for x in kinds.descriptors(args) if hasattr(x, "layout")])
             constexprs = tuple(keywords.get(name, default) for name, default in self.constexprs)
             self.compiled[key] = compiled, constexprs, kept
+            _recorded(None if entry is not None else (compiled, grid, args, constexprs))
             return
         compiled, constexprs, _ = entry
-        grid = tuple(grid) + (1,) * (3 - len(grid))
         compiled.run(*grid, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
                      None, None, None, *args, *constexprs)
+        _recorded((compiled, grid, args, constexprs))
 
 
 # Keyword values of these types are keyed by value; others (Gluon layouts, whose hash costs more
@@ -181,5 +212,6 @@ def launcher(kernel, wrap_kernel=identity_wrap):
     if (wrap_kernel is not identity_wrap or not isinstance(kernel, JITFunction) or is_interpreted(kernel)
             or not triton.__version__.startswith(CHECKED_TRITON)
             or os.environ.get("FLASH_ATTENTION_DIRECT_LAUNCH", "1") == "0"):
+        _recorded(None)  # (a launch a replay could not repeat)
         return wrap_kernel(kernel)
     return _direct(kernel)

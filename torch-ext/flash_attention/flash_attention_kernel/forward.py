@@ -50,6 +50,7 @@ from .launch import (
 )
 from .options import AttentionOptions
 from .planner import plan_forward
+from .replay import replayed
 from .scores import (
     DROPOUT, FIXED_PIVOT, FP32_EXACT, LN2, MASK_LEFT, dropout_keep, exp_logits, head_options, key_tile_ranges,
     logit_unit, logits, query_tile_start, row_start,
@@ -215,6 +216,7 @@ def _attn_fwd_kernel(
 
 
 @on_tensor_device
+@replayed
 def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q: int = 0, max_seqlen_k: int = 0, block_table=None, wrap_kernel=identity_wrap):
     """Attention forward, dense or variable-length, with ``options`` (options.AttentionOptions).

@@ -84,6 +84,11 @@ class AttentionOptions:
         names = AttentionOptions.TENSORS + AttentionOptions.SCALARS
         return AttentionOptions(**dict(zip(names, values, strict=True)))
 
+    @functools.cached_property
+    def scalar_values(self) -> tuple:
+        """The scalar options, in schema order (hashable: a prepared call's key, replay.py)."""
+        return tuple(getattr(self, name) for name in self.SCALARS)
+
     def tensors(self) -> tuple:
         """The tensor options (None where unset), in schema order: what a backward must keep."""
         return tuple(getattr(self, name) for name in self.TENSORS)

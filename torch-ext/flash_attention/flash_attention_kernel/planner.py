@@ -117,7 +117,10 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
 _PLANS: dict = {}
 configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=_PLANS.clear))
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_SWITCHES = ("FLASH_ATTENTION_GLUON", "FLASH_ATTENTION_TMA", "FLASH_ATTENTION_WS")
+# The environment switches that change what a call launches (docs/production.md#environment-variables),
+# in the order ``switches`` gives their values; replay.py keys its prepared calls by them too
+SWITCHES = ("FLASH_ATTENTION_GLUON", "FLASH_ATTENTION_TMA", "FLASH_ATTENTION_WS", "FLASH_ATTENTION_DIRECT_LAUNCH",
+            "FLASH_ATTENTION_REPLAY")
 
 
 def _cached(kind: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors, make):
@@ -132,19 +135,19 @@ def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, inter
     if not all(type(x) in _PLAIN for x in tensors):
         return None
     return (kind, interpreted, options.variant, options.causal, options.window, options.softcap, options.dropout_p > 0,
-            layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size, *_switches(),
+            layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size, *switches(),
             *[(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) for x in tensors])
 
 
 # The switches' values as os.environ holds them (os.environ.get encodes each name and decodes each
 # value: 1-2 us a switch, more than the rest of the key)
 _ENVIRON_DATA = getattr(os.environ, "_data", None)
-_SWITCH_KEYS = [os.environ.encodekey(name) for name in _SWITCHES] if hasattr(os.environ, "encodekey") else None
+_SWITCH_KEYS = [os.environ.encodekey(name) for name in SWITCHES] if hasattr(os.environ, "encodekey") else None
 
 
-def _switches() -> tuple:
+def switches() -> tuple:
     if _ENVIRON_DATA is None or _SWITCH_KEYS is None:  # (a Python whose os.environ differs: the public way)
-        return tuple(os.environ.get(name) for name in _SWITCHES)
+        return tuple(os.environ.get(name) for name in SWITCHES)
     return tuple(_ENVIRON_DATA.get(key) for key in _SWITCH_KEYS)
 
 

@@ -1,0 +1,275 @@
+"""Prepared calls: an eager call's launches recorded once per signature, then replayed.
+
+An eager ``attention_forward`` or ``attention_backward`` call does much host work that depends
+only on its signature: the sequence layout, the plan (which kernel, which config), the Gluon
+layouts and descriptors, each launch's argument list of strides, lengths and option scalars,
+and the direct launch's own key (issue 41: on an H100's host that work took about half of a short
+training step's host time). A ``replayed`` launcher does it once per signature and keeps the
+result:
+
+* The signature (``_Signature``) is what the launches can depend on: each tensor argument's
+  type, shape, strides, dtype, device and 16-byte alignment, which tensor arguments are the same
+  memory (equal data pointers), every other argument by value (AttentionOptions by its scalars
+  and its tensors as tensors) and the environment switches (``planner.switches``); the device
+  is the tensors' (the launchers run under launch.on_tensor_device, which makes it current).
+* The first call of a signature runs the launcher as it is (a signature that never comes again,
+  such as a varlen batch's max_seqlen or a decode step's int cache_seqlen, costs one dict entry).
+  The second runs it recording (``record``) the torch ops it runs (a dispatch mode) and the launches it makes (``direct_launch.recording_launches``: each
+  compiled kernel, grid, argument list and constexprs). The record becomes a ``_Prepared`` call
+  when the launcher did nothing but allocate tensors, take views and launch through direct
+  launches, and when every tensor a launch takes is either at an argument's address or in
+  memory the call allocated: then each launch's arguments are a template in which tensors are
+  slots (an argument, or an allocation made again on each call) plus byte offsets, and host
+  tensor descriptors are their template over a slot's address. Otherwise (a copy, a fill, a
+  launch through JITFunction.run, a tensor at an offset into an argument) the signature is
+  remembered as not replayable and its calls run the launcher as they did.
+* From the third call on, calls of the signature allocate the outputs and temporaries again (same shapes and
+  strides), put each slot's address into the templates and call each compiled kernel's
+  launcher: the data pointers are the only per-call inputs.
+
+Bitwise the same results as the launcher's own path: the same kernels with the same arguments.
+Only eager calls replay: under torch.compile (``wrap_kernel`` is not identity_wrap) the launches
+are traced, and a launch hook (a profiler) sends calls through the launcher so that the hook
+sees them. Setting a config override empties the prepared calls (configs.cleared_by_overrides);
+FLASH_ATTENTION_REPLAY=0 turns replays off. docs/design.md#host-cost-per-call has the numbers.
+"""
+
+import copy
+import functools
+import types
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import configs
+from .direct_launch import launch_hooked, recording_launches
+from .launch import MAX_REMEMBERED, ensure_scratch_allocator, identity_wrap
+from .options import AttentionOptions
+from .planner import SWITCHES, switches
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_aten = torch.ops.aten
+_ALLOCATING = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+               _aten.new_empty.default, _aten.new_empty_strided.default}
+_REPLAY_SWITCH = SWITCHES.index("FLASH_ATTENTION_REPLAY")
+_OFF = ("0", b"0")  # (switches() gives os.environ's bytes where it can)
+_SEEN = object()  # a signature called once
+_NOT_REPLAYABLE = object()  # a signature whose record could not be prepared
+_PREPARED_CALLS = []  # every replayed launcher's cache, emptied by an override
+
+
+def replayed(launcher):
+    """``launcher`` (its tensors and options positional or keyword, ``wrap_kernel`` keyword)
+    with eager calls replayed per signature (module docstring)."""
+    prepared_calls = {}
+    _PREPARED_CALLS.append(prepared_calls)
+
+    @functools.wraps(launcher)
+    def call(*args, wrap_kernel=identity_wrap, **kwargs):
+        if wrap_kernel is not identity_wrap or launch_hooked():
+            return launcher(*args, wrap_kernel=wrap_kernel, **kwargs)
+        environment = switches()
+        if environment[_REPLAY_SWITCH] in _OFF:
+            return launcher(*args, **kwargs)
+        tensors = []
+        key = _Signature(tensors).of(args, kwargs, environment)
+        if key is None:
+            return launcher(*args, **kwargs)
+        prepared = prepared_calls.get(key)
+        if prepared is None:  # (a first call: a signature seen once is not worth a record)
+            if len(prepared_calls) >= MAX_REMEMBERED:
+                prepared_calls.clear()
+            prepared_calls[key] = _SEEN
+            return launcher(*args, **kwargs)
+        if prepared is _SEEN:
+            result, prepared_calls[key] = record(launcher, args, kwargs, tensors)
+            return result
+        if prepared is _NOT_REPLAYABLE:
+            return launcher(*args, **kwargs)
+        return prepared.run(tensors)
+
+    return call
+
+
+configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=lambda: [calls.clear() for calls in _PREPARED_CALLS]))
+
+
+class _Signature:
+    """``of(args, kwargs)``: the hashable signature of a call, or None where it has an argument
+    of a type it does not know (a tensor subclass); the tensor arguments, in order, go to
+    ``tensors``."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+
+    def of(self, args: tuple, kwargs: dict, environment: tuple):
+        try:
+            facts = [self._fact(value) for value in args]
+            facts += [(name, self._fact(value)) for name, value in kwargs.items()]
+        except _Unknown:
+            return None
+        pointers = [x.data_ptr() for x in self.tensors]
+        aliases = tuple(map(pointers.index, pointers))  # (which tensor arguments are the same memory)
+        return (*facts, aliases, *environment)
+
+    def _fact(self, value):
+        kind = type(value)
+        if kind in _PLAIN:
+            self.tensors.append(value)
+            return value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16
+        if kind in (int, float, bool, str, type(None)):
+            return kind, value
+        if kind is tuple or kind is list:
+            return kind, tuple(map(self._fact, value))
+        if kind is AttentionOptions:
+            return value.scalar_values, tuple(map(self._fact, value.tensors()))
+        raise _Unknown
+
+
+class _Unknown(Exception):
+    pass
+
+
+class _OpsSeen(TorchDispatchMode):
+    """The torch ops run while it is on: the storages of the tensors that allocating ops make
+    (``allocated``: storage address -> the most bytes allocated there, as memory a call freed can
+    be allocated again within it) and whether any op other than those and views ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocated, self.other = {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in _ALLOCATING:
+            storage = result.untyped_storage()
+            self.allocated[storage.data_ptr()] = max(storage.nbytes(), self.allocated.get(storage.data_ptr(), 0))
+        elif not getattr(func, "is_view", False):
+            self.other.append(func)
+        return result
+
+
+def record(launcher, args: tuple, kwargs: dict, tensors: list):
+    """(launcher's result, its ``_Prepared`` call or _NOT_REPLAYABLE)."""
+    ops = _OpsSeen()
+    with recording_launches() as launches, ops:
+        result = launcher(*args, **kwargs)
+    try:
+        prepared = _Prepared(result, launches, ops, tensors) if not ops.other and None not in launches else None
+    except _Unknown:
+        prepared = None
+    return result, prepared if prepared is not None else _NOT_REPLAYABLE
+
+
+class _Prepared:
+    """A recorded call as templates (module docstring): ``run(tensors)`` replays it on new tensor
+    arguments of the same signature."""
+
+    def __init__(self, result, launches: list, ops: _OpsSeen, tensors: list):
+        self.arguments = len(tensors)
+        pointers = [x.data_ptr() for x in tensors]
+        # slots: the tensor arguments, then one per storage the call allocated and a launch or the
+        # result uses; new storages are made as an output tensor (its shape and strides) where
+        # the result holds one at the storage's start, else as bytes
+        self.allocations, storages = [], {}
+
+        def slot_of(x: torch.Tensor):
+            if x.data_ptr() in pointers:
+                return pointers.index(x.data_ptr()), 0
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in ops.allocated:
+                raise _Unknown  # (a view into an argument at an offset, or memory from elsewhere)
+            if storage.data_ptr() not in storages:
+                storages[storage.data_ptr()] = self.arguments + len(self.allocations)
+                self.allocations.append(("bytes", ops.allocated[storage.data_ptr()], x.device))
+            return storages[storage.data_ptr()], x.data_ptr() - storage.data_ptr()
+
+        self.outputs = []  # ("argument", index) / ("allocation", slot) / ("value", value)
+        for value in result if type(result) is tuple else (result,):
+            if type(value) in _PLAIN and any(value is x for x in tensors):
+                self.outputs.append(("argument", next(i for i, x in enumerate(tensors) if value is x)))
+            elif type(value) in _PLAIN:
+                storage = value.untyped_storage()
+                # (made again by empty_strided: it must own exactly its storage, which held nothing
+                # larger earlier in the call)
+                owned = storage.nbytes() == _extent(value) == ops.allocated.get(storage.data_ptr())
+                if value.storage_offset() != 0 or storage.data_ptr() in storages or not owned:
+                    raise _Unknown
+                storages[storage.data_ptr()] = self.arguments + len(self.allocations)
+                self.allocations.append(("tensor", (value.shape, value.stride()), value.dtype, value.device))
+                self.outputs.append(("allocation", storages[storage.data_ptr()]))
+            elif value is None:
+                self.outputs.append(("value", None))
+            else:
+                raise _Unknown
+        self.single = type(result) is not tuple
+        self.launches = [_LaunchTemplate(launch, slot_of) for launch in launches]
+
+    def run(self, tensors: list):
+        if self.launches:
+            ensure_scratch_allocator()  # (per thread: autograd runs the backward on its own)
+        made = []
+        for allocation in self.allocations:
+            if allocation[0] == "tensor":
+                (shape, strides), dtype, device = allocation[1:]
+                made.append(torch.empty_strided(shape, strides, dtype=dtype, device=device))
+            else:
+                made.append(torch.empty(allocation[1], dtype=torch.uint8, device=allocation[2]))
+        if self.launches:
+            addresses = [x.data_ptr() for x in tensors] + [x.data_ptr() for x in made]
+            stream = current_stream()
+            for launch in self.launches:
+                launch.run(addresses, stream)
+        results = tuple(tensors[index] if kind == "argument" else made[index - self.arguments] if kind == "allocation"
+                        else index for kind, index in self.outputs)
+        return results[0] if self.single else results
+
+
+def current_stream() -> int:
+    """The current device's current CUDA stream, where Triton launches (a test's stand-in on CPU)."""
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+
+
+def _extent(x: torch.Tensor) -> int:
+    """Bytes from x's first element to one past its last (what empty_strided allocates for it)."""
+    if x.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))) * x.element_size()
+
+
+class _Address(int):
+    """A device address where a host tensor descriptor's launch reads ``base.data_ptr()``."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _LaunchTemplate:
+    """One recorded launch: its compiled kernel, grid and constexprs, and its arguments with each
+    tensor a (position, slot, byte offset) and each host tensor descriptor a (position, slot,
+    offset, the descriptor) whose copy takes the slot's address as its base."""
+
+    def __init__(self, launch: tuple, slot_of):
+        self.compiled, self.grid, args, self.constexprs = launch
+        self.template, self.tensors, self.descriptors = list(args), [], []
+        for position, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                self.tensors.append((position, *slot_of(value)))
+                self.template[position] = None
+            elif hasattr(value, "base") and isinstance(value.base, torch.Tensor):  # (a host tensor descriptor)
+                template = copy.copy(value)
+                template.__dict__["base"] = None  # (the template keeps no tensor alive)
+                self.descriptors.append((position, *slot_of(value.base), template))
+                self.template[position] = None
+
+    def run(self, addresses: list, stream: int):
+        args = self.template.copy()
+        for position, slot, offset in self.tensors:
+            args[position] = addresses[slot] + offset
+        for position, slot, offset, descriptor in self.descriptors:
+            placed = object.__new__(type(descriptor))
+            placed.__dict__.update(descriptor.__dict__, base=_Address(addresses[slot] + offset))
+            args[position] = placed
+        compiled = self.compiled
+        compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                     *self.constexprs)
