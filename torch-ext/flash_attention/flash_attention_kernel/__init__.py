@@ -17,6 +17,8 @@ The options and the launch:
   TlLaunch, its TMA and warp-specialization choices, stepping down a config that does not fit).
 * direct_launch.py: DirectKernel, relaunching a compiled kernel without JITFunction.run's per-call
   host work (decoding's host time).
+* replay.py: prepared calls: an eager forward, backward or decode step whose signature came twice
+  replays the recorded launches, with the tensors' addresses as the only per-call work.
 
 The tl kernels (every supported GPU, configs.MIN_CAPABILITY up, and the CPU interpreter):
 * tiles.py: tile loads/stores with 64-bit offsets, sequence spans (dense or varlen) and the
