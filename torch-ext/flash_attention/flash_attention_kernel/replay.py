@@ -7,7 +7,7 @@ and the direct launch's own key (issue 41: on an H100's host that work took abou
 training step's host time). A ``replayed`` launcher does it once per signature and keeps the
 result:
 
-* The signature (``_Signature``) is what the launches can depend on: each tensor argument's
+* The signature (``signature``) is what the launches can depend on: each tensor argument's
   type, shape, strides, dtype, device and 16-byte alignment, which tensor arguments are the same
   memory (equal data pointers), every other argument by value (AttentionOptions by its scalars
   and its tensors as tensors) and the environment switches (``planner.switches``); the device
@@ -72,7 +72,7 @@ def replayed(launcher):
         if environment[_REPLAY_SWITCH] in _OFF:
             return launcher(*args, **kwargs)
         tensors = []
-        key = _Signature(tensors).of(args, kwargs, environment)
+        key = signature(args, kwargs, environment, tensors)
         if key is None:
             return launcher(*args, **kwargs)
         prepared = prepared_calls.get(key)
@@ -94,40 +94,45 @@ def replayed(launcher):
 configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=lambda: [calls.clear() for calls in _PREPARED_CALLS]))
 
 
-class _Signature:
-    """``of(args, kwargs)``: the hashable signature of a call, or None where it has an argument
-    of a type it does not know (a tensor subclass); the tensor arguments, in order, go to
-    ``tensors``."""
+def signature(args: tuple, kwargs: dict, environment: tuple, tensors: list):
+    """The hashable signature of a call (module docstring), or None where it has an argument of a
+    type it does not know (a tensor subclass); its tensor arguments, in order, go to ``tensors``.
+    One flat tuple: each value's facts after its type, a sequence's length before its items."""
+    facts, pointers = [*environment, *kwargs], []
+    if not _facts((*args, *kwargs.values()), facts, tensors, pointers):
+        return None
+    facts.append(tuple(map(pointers.index, pointers)))  # (which tensor arguments are the same memory)
+    return tuple(facts)
 
-    def __init__(self, tensors: list):
-        self.tensors = tensors
 
-    def of(self, args: tuple, kwargs: dict, environment: tuple):
-        try:
-            facts = [self._fact(value) for value in args]
-            facts += [(name, self._fact(value)) for name, value in kwargs.items()]
-        except _Unknown:
-            return None
-        pointers = [x.data_ptr() for x in self.tensors]
-        aliases = tuple(map(pointers.index, pointers))  # (which tensor arguments are the same memory)
-        return (*facts, aliases, *environment)
+_SCALARS = (int, float, bool, str, type(None))
 
-    def _fact(self, value):
+
+def _facts(values, facts: list, tensors: list, pointers: list) -> bool:
+    for value in values:
         kind = type(value)
         if kind in _PLAIN:
-            self.tensors.append(value)
-            return value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16
-        if kind in (int, float, bool, str, type(None)):
-            return kind, value
-        if kind is tuple or kind is list:
-            return kind, tuple(map(self._fact, value))
-        if kind is AttentionOptions:
-            return value.scalar_values, tuple(map(self._fact, value.tensors()))
-        raise _Unknown
+            pointer = value.data_ptr()
+            tensors.append(value)
+            pointers.append(pointer)
+            facts.append((value.shape, value.stride(), value.dtype, value.device, pointer & 15))
+        elif kind in _SCALARS:
+            facts += (kind, value)
+        elif kind is tuple or kind is list:
+            facts += (kind, len(value))
+            if not _facts(value, facts, tensors, pointers):
+                return False
+        elif kind is AttentionOptions:
+            facts += (kind, value.scalar_values)
+            if not _facts(value.tensors(), facts, tensors, pointers):
+                return False
+        else:
+            return False
+    return True
 
 
 class _Unknown(Exception):
-    pass
+    """A record that cannot be replayed (``_Prepared``)."""
 
 
 class _OpsSeen(TorchDispatchMode):
