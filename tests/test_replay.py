@@ -177,6 +177,19 @@ def test_calls_that_cannot_be_replayed_run_the_launcher(fa, replay, case):
     assert len(ran) == 4
 
 
+def test_a_replayed_launcher_inside_a_record_launches_for_it(fa, replay):
+    inner, inner_ran = _stand_in(fa, _two_launches)
+
+    outer, outer_ran = _stand_in(fa, lambda direct_launch, x, y: inner(x, y))
+    x, y = _inputs()
+    for _ in range(2):
+        inner(x, y)  # (the inner signature is replayable on its own)
+    for seed in range(4):
+        x, y = _inputs(seed=seed)
+        assert torch.equal(outer(x, y)[0], (x * 2.0 + y) + x)
+    assert len(outer_ran) == 2, "the outer call's record missed the inner call's launches"
+
+
 def test_switch_and_traced_launches_skip_replays(fa, replay, monkeypatch):
     launcher, ran = _stand_in(fa, _two_launches)
     x, y = _inputs()

@@ -74,6 +74,11 @@ def recording_launches():
         _RECORDING.launches = None
 
 
+def recording() -> bool:
+    """Whether this thread is inside ``recording_launches``."""
+    return getattr(_RECORDING, "launches", None) is not None
+
+
 def _recorded(launch) -> None:
     launches = getattr(_RECORDING, "launches", None)
     if launches is not None:

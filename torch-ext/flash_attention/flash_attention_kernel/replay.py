@@ -1,11 +1,11 @@
 """Prepared calls: an eager call's launches recorded once per signature, then replayed.
 
-An eager ``attention_forward`` or ``attention_backward`` call does much host work that depends
-only on its signature: the sequence layout, the plan (which kernel, which config), the Gluon
-layouts and descriptors, each launch's argument list of strides, lengths and option scalars,
-and the direct launch's own key (issue 41: on an H100's host that work took about half of a short
-training step's host time). A ``replayed`` launcher does it once per signature and keeps the
-result:
+An eager ``attention_forward``, ``attention_backward`` or ``attention_with_kvcache`` call does
+much host work that depends only on its signature: the sequence layout, the plan (which kernel,
+which config), the Gluon layouts and descriptors, each launch's argument list of strides, lengths
+and option scalars, and the direct launch's own key (issue 41: on an H100's host that work took
+about half of a short training step's host time). A ``replayed`` launcher does it once per
+signature and keeps the result:
 
 * The signature (``signature``) is what the launches can depend on: each tensor argument's
   type, shape, strides, dtype, device and 16-byte alignment, which tensor arguments are the same
@@ -14,24 +14,27 @@ result:
   is the tensors' (the launchers run under launch.on_tensor_device, which makes it current).
 * The first call of a signature runs the launcher as it is (a signature that never comes again,
   such as a varlen batch's max_seqlen or a decode step's int cache_seqlen, costs one dict entry).
-  The second runs it recording (``record``) the torch ops it runs (a dispatch mode) and the launches it makes (``direct_launch.recording_launches``: each
-  compiled kernel, grid, argument list and constexprs). The record becomes a ``_Prepared`` call
-  when the launcher did nothing but allocate tensors, take views and launch through direct
-  launches, and when every tensor a launch takes is either at an argument's address or in
-  memory the call allocated: then each launch's arguments are a template in which tensors are
-  slots (an argument, or an allocation made again on each call) plus byte offsets, and host
-  tensor descriptors are their template over a slot's address. Otherwise (a copy, a fill, a
-  launch through JITFunction.run, a tensor at an offset into an argument) the signature is
-  remembered as not replayable and its calls run the launcher as they did.
-* From the third call on, calls of the signature allocate the outputs and temporaries again (same shapes and
-  strides), put each slot's address into the templates and call each compiled kernel's
-  launcher: the data pointers are the only per-call inputs.
+* The second runs it recording (``record``) the torch ops it runs (a dispatch mode) and the
+  launches it makes (``direct_launch.recording_launches``: each compiled kernel, grid, argument
+  list and constexprs). The record becomes a ``_Prepared`` call when the launcher did nothing
+  but allocate tensors, take views and launch through direct launches, and when every tensor a
+  launch takes is either at an argument's address or in memory the call allocated: then each
+  launch's arguments are a template in which tensors are slots (an argument, or an allocation
+  made again on each call) plus byte offsets, and host tensor descriptors are their template
+  over a slot's address. Otherwise (a copy, a fill, a launch through JITFunction.run, a tensor
+  at an offset into an argument) the signature is remembered as not replayable and its calls
+  run the launcher as they did.
+* From the third call on, calls of the signature allocate the outputs and temporaries again
+  (same shapes and strides), put each slot's address into the templates and call each compiled
+  kernel's launcher: the data pointers are the only per-call inputs.
 
 Bitwise the same results as the launcher's own path: the same kernels with the same arguments.
 Only eager calls replay: under torch.compile (``wrap_kernel`` is not identity_wrap) the launches
-are traced, and a launch hook (a profiler) sends calls through the launcher so that the hook
-sees them. Setting a config override empties the prepared calls (configs.cleared_by_overrides);
-FLASH_ATTENTION_REPLAY=0 turns replays off. docs/design.md#host-cost-per-call has the numbers.
+are traced, a launch hook (a profiler) sends calls through the launcher so that the hook sees
+them, and a replayed launcher called inside another's record runs as it is, so that the outer
+record sees its launches. Setting a config override empties the prepared calls
+(configs.cleared_by_overrides); FLASH_ATTENTION_REPLAY=0 turns replays off.
+docs/design.md#prepared-calls has the numbers.
 """
 
 import copy
@@ -42,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import configs
-from .direct_launch import launch_hooked, recording_launches
+from .direct_launch import launch_hooked, recording, recording_launches
 from .launch import MAX_REMEMBERED, ensure_scratch_allocator, identity_wrap
 from .options import AttentionOptions
 from .planner import SWITCHES, switches
@@ -66,7 +69,7 @@ def replayed(launcher):
 
     @functools.wraps(launcher)
     def call(*args, wrap_kernel=identity_wrap, **kwargs):
-        if wrap_kernel is not identity_wrap or launch_hooked():
+        if wrap_kernel is not identity_wrap or launch_hooked() or recording():  # (inside a record: its launches)
             return launcher(*args, wrap_kernel=wrap_kernel, **kwargs)
         environment = switches()
         if environment[_REPLAY_SWITCH] in _OFF:
