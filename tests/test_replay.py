@@ -4,9 +4,12 @@ bits.
 
 On CPU the mechanism runs on stand-in launchers whose "kernels" read and write host memory at the
 addresses they are given (ctypes), so a replay that passed a wrong address, a stale tensor or a
-wrong offset gives a wrong result here. On a GPU the package's own launchers are checked: every
-path (tl and Gluon, forward and backward, dense, varlen, packed gradients, each option) replayed
-on new inputs gives bitwise what FLASH_ATTENTION_REPLAY=0 gives, and the replay really ran.
+wrong offset gives a wrong result here; and the package's own launchers (forward, backward,
+decode) run with every launch through a stand-in direct launch of the interpreted kernels, whose
+replays rebuild tensors at the addresses they are given. On a GPU the real direct launches are
+checked: every path (tl and Gluon, forward and backward, dense, varlen, packed gradients, each
+option, decode) replayed on new inputs gives bitwise what FLASH_ATTENTION_REPLAY=0 gives, and the
+replay really ran.
 """
 
 import ctypes
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from conftest import ON_GPU
 from inputs import cu_seqlens, random_qkv
@@ -210,6 +214,125 @@ def test_an_override_empties_the_prepared_calls(fa, replay):
     configs.set_override("fwd", None)
     launcher(x, y)
     assert len(ran) == 3
+
+
+# ---- the package's launchers on CPU: interpreted kernels behind a stand-in direct launch ---------
+
+class _InterpretedKernel:
+    """A compiled kernel's stand-in for an interpreted one: ``run`` takes a launch as a direct
+    launch passes it (addresses where the recording had tensors) and runs the interpreter on
+    tensors rebuilt at those addresses with the recorded dtypes, shapes and strides."""
+
+    function = packed_metadata = None
+
+    def __init__(self, kernel, args, keywords):
+        self.kernel, self.keywords = kernel, keywords
+        self.layouts = [(x.dtype, x.shape, x.stride()) if isinstance(x, torch.Tensor) else None for x in args]
+
+    def run(self, grid_x, grid_y, grid_z, *launch):
+        args = launch[6:6 + len(self.layouts)]
+        args = [_tensor_at(value, layout) if layout is not None and isinstance(value, int) else value
+                for value, layout in zip(args, self.layouts)]
+        self.kernel[(grid_x, grid_y, grid_z)](*args, **self.keywords)
+
+
+def _tensor_at(address: int, layout) -> torch.Tensor:
+    dtype, shape, strides = layout
+    if 0 in shape:
+        return torch.empty_strided(shape, strides, dtype=dtype)
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    memory = (ctypes.c_uint8 * (extent * dtype.itemsize)).from_address(address)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).as_strided(shape, strides)
+
+
+class _InterpretedDirect:
+    """A DirectKernel's stand-in for an interpreted kernel: launches it and notes each launch for a
+    recording, as DirectKernel._launch does."""
+
+    def __init__(self, kernel, direct_launch):
+        self.kernel, self.direct_launch = kernel, direct_launch
+
+    def __getitem__(self, grid):
+        def launch(*args, **keywords):
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            with _disable_current_modes():  # (the interpreter's own copies are not the launcher's ops)
+                self.kernel[grid3](*args, **keywords)
+            self.direct_launch._recorded((_InterpretedKernel(self.kernel, args, keywords), grid3, args, ()))
+        return launch
+
+
+@pytest.fixture
+def interpreted_replays(fa, replay, monkeypatch):
+    """The package's launchers with every launch through ``_InterpretedDirect`` (on CPU only)."""
+    if ON_GPU:
+        pytest.skip("the stand-in runs interpreted kernels; on a GPU the real direct launches replay")
+    kernels = fa.flash_attention_kernel
+    identity_wrap = kernels.launch.identity_wrap
+
+    def launcher(kernel, wrap_kernel=identity_wrap):
+        return _InterpretedDirect(kernel, kernels.direct_launch) if wrap_kernel is identity_wrap else wrap_kernel(kernel)
+
+    for module in (kernels.forward, kernels.backward, kernels.decode):
+        monkeypatch.setattr(module, "launcher", launcher)
+    for calls in replay._PREPARED_CALLS:
+        calls.clear()
+    return replay
+
+
+CPU_CASES = ["dense_causal", "gqa_window", "softcap_alibi", "dropout", "sinks", "varlen", "qkvpacked", "fp32",
+             "decode", "decode_paged", "decode_append_rotary"]
+
+
+def _cpu_call(fa, case, seed):
+    """The outputs and gradients (or the caches) of one small public call on new random inputs."""
+    torch.manual_seed(seed)
+    dtype = torch.float32 if case == "fp32" else torch.float16
+    if case.startswith("decode"):
+        q = torch.randn(2, 1, 4, 32, dtype=dtype)
+        k_cache, v_cache = (torch.randn(2, 64, 2, 32, dtype=dtype) for _ in range(2))
+        options = dict(cache_seqlens=torch.tensor([17, 40], dtype=torch.int32), causal=True)
+        if case == "decode_paged":
+            k_cache, v_cache = (x.view(-1, 16, 2, 32) for x in (k_cache, v_cache))
+            options["block_table"] = torch.randperm(8, dtype=torch.int32).view(2, 4)
+        if case == "decode_append_rotary":
+            options["k"], options["v"] = (torch.randn(2, 1, 2, 32, dtype=dtype) for _ in range(2))
+            angles = torch.rand(64, 16) * 6.28
+            options["rotary_cos"], options["rotary_sin"] = angles.cos().to(dtype), angles.sin().to(dtype)
+        return fa.flash_attn_with_kvcache(q, k_cache, v_cache, **options), k_cache, v_cache
+    if case == "varlen":
+        cu = cu_seqlens([17, 5, 30])
+        q, k, v = (torch.randn(52, 2, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+        out, inputs = fa.flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, causal=True), (q, k, v)
+    elif case == "qkvpacked":
+        qkv = torch.randn(1, 33, 3, 2, 32, dtype=dtype, requires_grad=True)
+        out, inputs = fa.flash_attn_qkvpacked_func(qkv, causal=True), (qkv,)
+    else:
+        q, k, v = random_qkv((1, 33, 4, 32), (1, 40, 2 if case == "gqa_window" else 4, 32), dtype,
+                             requires_grad=True)
+        options = {"dense_causal": dict(causal=True), "gqa_window": dict(causal=True, window_size=(8, 0)),
+                   "softcap_alibi": dict(softcap=20.0, alibi_slopes=torch.rand(4)), "dropout": dict(dropout_p=0.2),
+                   "sinks": dict(s_aux=torch.randn(4)), "fp32": dict(causal=True)}[case]
+        out, inputs = fa.flash_attn_func(q, k, v, **options), (q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, inputs, torch.randn_like(out)))
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_the_package_replays_interpreted_calls_bitwise(fa, interpreted_replays, case, monkeypatch):
+    replay = interpreted_replays
+    for _ in range(2):
+        _cpu_call(fa, case, seed=0)  # (counted, then recorded)
+    prepared = [value for calls in replay._PREPARED_CALLS for value in calls.values()]
+    assert prepared and all(isinstance(value, replay._Prepared) for value in prepared), \
+        "every launcher of the call should be replayable"
+    runs = []
+    run = replay._Prepared.run
+    monkeypatch.setattr(replay._Prepared, "run", lambda self, tensors: runs.append(self) or run(self, tensors))
+    replayed = _cpu_call(fa, case, seed=1)
+    assert len(runs) == len(prepared), "the third call should have replayed every launcher's record"
+    monkeypatch.setenv("FLASH_ATTENTION_REPLAY", "0")
+    expected = _cpu_call(fa, case, seed=1)
+    for got, want in zip(replayed, expected):
+        assert torch.equal(got, want)
 
 
 # ---- the package's launchers, on a GPU ----------------------------------------------------------
