@@ -270,7 +270,9 @@ def interpreted_replays(fa, replay, monkeypatch):
     identity_wrap = kernels.launch.identity_wrap
 
     def launcher(kernel, wrap_kernel=identity_wrap):
-        return _InterpretedDirect(kernel, kernels.direct_launch) if wrap_kernel is identity_wrap else wrap_kernel(kernel)
+        if wrap_kernel is not identity_wrap:
+            return wrap_kernel(kernel)
+        return _InterpretedDirect(kernel, kernels.direct_launch)
 
     for module in (kernels.forward, kernels.backward, kernels.decode):
         monkeypatch.setattr(module, "launcher", launcher)
