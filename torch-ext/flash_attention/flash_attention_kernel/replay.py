@@ -33,7 +33,9 @@ Only eager calls replay: under torch.compile (``wrap_kernel`` is not identity_wr
 are traced, a launch hook (a profiler) sends calls through the launcher so that the hook sees
 them, and a replayed launcher called inside another's record runs as it is, so that the outer
 record sees its launches. Setting a config override empties the prepared calls
-(configs.cleared_by_overrides); FLASH_ATTENTION_REPLAY=0 turns replays off.
+(configs.cleared_by_overrides); FLASH_ATTENTION_REPLAY=0 turns replays off, and so does every
+condition without direct launches (a Triton older than direct_launch.CHECKED_TRITON,
+FLASH_ATTENTION_DIRECT_LAUNCH=0), which then costs no signature.
 docs/design.md#prepared-calls has the numbers.
 """
 
@@ -42,10 +44,11 @@ import functools
 import types
 
 import torch
+import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import configs
-from .direct_launch import launch_hooked, recording, recording_launches
+from .direct_launch import CHECKED_TRITON, launch_hooked, recording, recording_launches
 from .launch import MAX_REMEMBERED, ensure_scratch_allocator, identity_wrap
 from .options import AttentionOptions
 from .planner import SWITCHES, switches
@@ -55,6 +58,8 @@ _aten = torch.ops.aten
 _ALLOCATING = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                _aten.new_empty.default, _aten.new_empty_strided.default}
 _REPLAY_SWITCH = SWITCHES.index("FLASH_ATTENTION_REPLAY")
+_DIRECT_SWITCH = SWITCHES.index("FLASH_ATTENTION_DIRECT_LAUNCH")
+_DIRECT_TRITON = triton.__version__.startswith(CHECKED_TRITON)  # (direct launches exist under this Triton)
 _OFF = ("0", b"0")  # (switches() gives os.environ's bytes where it can)
 _SEEN = object()  # a signature called once
 _NOT_REPLAYABLE = object()  # a signature whose record could not be prepared
@@ -72,8 +77,8 @@ def replayed(launcher):
         if wrap_kernel is not identity_wrap or launch_hooked() or recording():  # (inside a record: its launches)
             return launcher(*args, wrap_kernel=wrap_kernel, **kwargs)
         environment = switches()
-        if environment[_REPLAY_SWITCH] in _OFF:
-            return launcher(*args, **kwargs)
+        if not _DIRECT_TRITON or environment[_REPLAY_SWITCH] in _OFF or environment[_DIRECT_SWITCH] in _OFF:
+            return launcher(*args, **kwargs)  # (without direct launches no record could be replayed)
         tensors = []
         key = signature(args, kwargs, environment, tensors)
         if key is None:
