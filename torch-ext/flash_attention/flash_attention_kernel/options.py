@@ -59,7 +59,7 @@ class AttentionOptions:
     sinks: Optional[torch.Tensor] = None  # (heads,)
     rng_state: Optional[torch.Tensor] = None  # int64 (2,): seed, offset; with dropout only
 
-    TENSORS = ("alibi_slopes", "sinks", "rng_state")
+    TENSORS = ("alibi_slopes", "sinks", "rng_state")  # (``tensors`` spells them out in this order)
     SCALARS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "dropout_p")
 
     # ---- the op schema -------------------------------------------------------------------
@@ -91,7 +91,7 @@ class AttentionOptions:
 
     def tensors(self) -> tuple:
         """The tensor options (None where unset), in schema order: what a backward must keep."""
-        return tuple(getattr(self, name) for name in self.TENSORS)
+        return self.alibi_slopes, self.sinks, self.rng_state  # (TENSORS; one tuple, no loop: asked per call)
 
     def with_tensors(self, tensors) -> "AttentionOptions":
         return replace(self, **dict(zip(self.TENSORS, tensors, strict=True)))

@@ -148,7 +148,7 @@ _SWITCH_KEYS = [os.environ.encodekey(name) for name in SWITCHES] if hasattr(os.e
 def switches() -> tuple:
     if _ENVIRON_DATA is None or _SWITCH_KEYS is None:  # (a Python whose os.environ differs: the public way)
         return tuple(os.environ.get(name) for name in SWITCHES)
-    return tuple(_ENVIRON_DATA.get(key) for key in _SWITCH_KEYS)
+    return tuple(map(_ENVIRON_DATA.get, _SWITCH_KEYS))
 
 
 def _refitted_pass(plan: PassPlan) -> PassPlan:
