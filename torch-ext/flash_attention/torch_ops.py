@@ -38,7 +38,7 @@ from .flash_attention_kernel import (
     AttentionOptions, apply_rotary, attention_backward, attention_forward, attention_probabilities,
     attention_with_kvcache, interpreter_active,
 )
-from .flash_attention_kernel.launch import identity_wrap
+from .flash_attention_kernel.launch import PLAIN_TENSORS, identity_wrap
 
 Tensor = torch.Tensor
 OptionalTensor = Optional[torch.Tensor]
@@ -250,9 +250,6 @@ class _EagerCall:
         self.name, self.layout, self.options = name, layout, options
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _needs_dispatcher(args) -> bool:
     """Whether a call on ``args`` must go through the registered op (see the module docstring):
     a tracing or transforming context, or a tensor of another type among them."""
@@ -262,7 +259,7 @@ def _needs_dispatcher(args) -> bool:
         or torch._C._is_torch_function_mode_enabled()
         or is_in_torch_dispatch_mode()
         or torch._C._functorch.peek_interpreter_stack() is not None
-        or any(type(x) not in _PLAIN for x in args if isinstance(x, torch.Tensor))
+        or any(type(x) not in PLAIN_TENSORS for x in args if isinstance(x, torch.Tensor))
     )
 
 

@@ -37,6 +37,11 @@ def next_power_of_2(n: int) -> int:
 # starts again: a bound for workloads of ever new shapes, whose entries are cheap to make again
 MAX_REMEMBERED = 4096
 
+# Tensor types whose calls can be cached or replayed by their signature (plans, prepared calls) and
+# run without the dispatcher (torch_ops): plain tensors and parameters; any other type (a fake
+# tensor, a subclass) may mean a tracing or transforming context
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 
 def remembered(cache: dict, key, make: Callable):
     """``cache[key]``, made by ``make()`` where it is missing; ``cache`` is emptied first when it

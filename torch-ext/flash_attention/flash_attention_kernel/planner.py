@@ -40,11 +40,11 @@ import types
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-import torch
-
 from . import configs, hopper_route
 from .configs import GluonConfig
-from .launch import SequenceLayout, TlLaunch, any_refitted, kernel_variant, refitted, remembered, tl_launch
+from .launch import (
+    PLAIN_TENSORS, SequenceLayout, TlLaunch, any_refitted, kernel_variant, refitted, remembered, tl_launch,
+)
 from .options import FP32_EXACT, AttentionOptions
 
 # Where the backward's delta comes from (BackwardPlan.delta_source)
@@ -116,7 +116,6 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
 # plan_key -> PassPlan or BackwardPlan, for eager calls (module docstring; launch.remembered bounds it)
 _PLANS: dict = {}
 configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=_PLANS.clear))
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 # The environment switches that change what a call launches (docs/production.md#environment-variables),
 # in the order ``switches`` gives their values; replay.py keys its prepared calls by them too
 SWITCHES = ("FLASH_ATTENTION_GLUON", "FLASH_ATTENTION_TMA", "FLASH_ATTENTION_WS", "FLASH_ATTENTION_DIRECT_LAUNCH",
@@ -132,7 +131,7 @@ def _cached(kind: str, options: AttentionOptions, layout: SequenceLayout, interp
 def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors):
     """What a plan of ``kind`` ("fwd", "bwd") for these arguments depends on, hashable; None for
     tensors of other types than plain tensors and parameters (fake tensors have no address)."""
-    if not all(type(x) in _PLAIN for x in tensors):
+    if not all(type(x) in PLAIN_TENSORS for x in tensors):
         return None
     return (kind, interpreted, options.variant, options.causal, options.window, options.softcap, options.dropout_p > 0,
             layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size, *switches(),

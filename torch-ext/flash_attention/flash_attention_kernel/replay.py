@@ -49,11 +49,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import configs
 from .direct_launch import CHECKED_TRITON, launch_hooked, recording, recording_launches
-from .launch import MAX_REMEMBERED, ensure_scratch_allocator, identity_wrap
+from .launch import MAX_REMEMBERED, PLAIN_TENSORS, ensure_scratch_allocator, identity_wrap
 from .options import AttentionOptions
 from .planner import SWITCHES, switches
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _aten = torch.ops.aten
 _ALLOCATING = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                _aten.new_empty.default, _aten.new_empty_strided.default}
@@ -119,7 +118,7 @@ _SCALARS = (int, float, bool, str, type(None))
 def _facts(values, facts: list, tensors: list, pointers: list) -> bool:
     for value in values:
         kind = type(value)
-        if kind in _PLAIN:
+        if kind in PLAIN_TENSORS:
             pointer = value.data_ptr()
             tensors.append(value)
             pointers.append(pointer)
@@ -199,9 +198,10 @@ class _Prepared:
 
         self.outputs = []  # ("argument", index) / ("allocation", slot) / ("value", value)
         for value in result if type(result) is tuple else (result,):
-            if type(value) in _PLAIN and any(value is x for x in tensors):
-                self.outputs.append(("argument", next(i for i, x in enumerate(tensors) if value is x)))
-            elif type(value) in _PLAIN:
+            argument = next((i for i, x in enumerate(tensors) if value is x), None)
+            if argument is not None:
+                self.outputs.append(("argument", argument))
+            elif type(value) in PLAIN_TENSORS:
                 storage = value.untyped_storage()
                 # (made again by empty_strided: it must own exactly its storage, which held nothing
                 # larger earlier in the call)
