@@ -59,9 +59,15 @@ def launch_hooked() -> bool:
     return knobs is not None and (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook))
 
 
-# The launches of this thread's recording (replay.record), or None: each a (compiled kernel, grid,
-# arguments, constexprs), or None for a launch that did not go through a DirectKernel
-_RECORDING = threading.local()
+class _Recording(threading.local):
+    """``launches``: this thread's recording (replay.record), or None outside one: each launch a
+    (compiled kernel, grid, arguments, constexprs), or None for one that did not go through a
+    DirectKernel."""
+
+    launches = None
+
+
+_RECORDING = _Recording()
 
 
 @contextlib.contextmanager
@@ -76,13 +82,12 @@ def recording_launches():
 
 def recording() -> bool:
     """Whether this thread is inside ``recording_launches``."""
-    return getattr(_RECORDING, "launches", None) is not None
+    return _RECORDING.launches is not None
 
 
 def _recorded(launch) -> None:
-    launches = getattr(_RECORDING, "launches", None)
-    if launches is not None:
-        launches.append(launch)
+    if _RECORDING.launches is not None:
+        _RECORDING.launches.append(launch)
 
 
 class DirectKernel:
