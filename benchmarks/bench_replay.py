@@ -1,18 +1,17 @@
 """Prepared calls on and off in one process (flash_attention_kernel/replay.py,
 docs/design.md#prepared-calls).
 
-Eager time per call (100 back-to-back calls, one synchronisation; median of 7, the better of two
-rounds) of flash_attn_func forward and forward + backward at batch 1, N = 128 (the host cost) and
-at 16k tokens of N = 1024, with FLASH_ATTENTION_REPLAY on and off and the Gluon kernels on and
-off, beside SDPA FLASH and CUDNN; and a decode step over a 1k cache (cache_seqlens a tensor).
+Eager time per call (bench_host.eager_us: 100 back-to-back calls, one synchronisation; median
+of 7, the better of two rounds) of flash_attn_func forward and forward + backward at batch 1,
+N = 128 (the host cost) and at 16k tokens of N = 1024, with FLASH_ATTENTION_REPLAY on and off and
+the Gluon kernels on and off, beside SDPA FLASH and CUDNN; and a decode step over a 1k cache
+(cache_seqlens a tensor).
 
 Usage: python benchmarks/bench_replay.py     (after scripts/build_variants.py, on a GPU; writes
        $OUT/replay.txt where OUT is set)
 """
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,23 +19,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flash_attention import load_kernel  # noqa: E402
+from bench_host import eager_us  # noqa: E402
 
 F = torch.nn.functional
-
-
-def eager(fn, calls=100, reps=7):
-    """Eager us per call: ``calls`` back-to-back calls, one synchronisation, median of ``reps``."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
 
 
 def attention_calls(fa, batch, n, heads=16, d=128, causal=True):
@@ -78,8 +63,8 @@ def main():
                 for gluon in ("1", "0"):
                     for replay in ("1", "0"):
                         os.environ["FLASH_ATTENTION_GLUON"], os.environ["FLASH_ATTENTION_REPLAY"] = gluon, replay
-                        times.setdefault((gluon, replay), []).append(eager(fn))
-            peers = {backend: eager(sdpa(getattr(SDPBackend, backend), name != "fwd"))
+                        times.setdefault((gluon, replay), []).append(eager_us(fn, runs=7))
+            peers = {backend: eager_us(sdpa(getattr(SDPBackend, backend), name != "fwd"), runs=7)
                      for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION")}
             line = f"b{batch} N{n} {name:8} " + "  ".join(f"gluon={gluon} replay={replay}: {min(us):7.1f}"
                                                          for (gluon, replay), us in times.items())
@@ -91,7 +76,7 @@ def main():
     for _ in range(2):
         for replay in ("1", "0"):
             os.environ["FLASH_ATTENTION_REPLAY"] = replay
-            times.setdefault(replay, []).append(eager(fn))
+            times.setdefault(replay, []).append(eager_us(fn, runs=7))
     line = "decode 1k cache  " + "  ".join(f"replay={replay}: {min(us):7.1f}" for replay, us in times.items())
     print(line, flush=True)
     rows.append(line)
