@@ -30,7 +30,20 @@ PACKAGE_SOURCE = REPO_ROOT / "torch-ext" / "flash_attention"
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import build_variants  # noqa: E402
 
-__all__ = ["DEVICE", "ON_GPU", "PACKAGE_SOURCE", "REPO_ROOT"]
+__all__ = ["DEVICE", "ON_GPU", "PACKAGE_SOURCE", "REPO_ROOT", "skip_unless_interpreter_runs"]
+
+
+def skip_unless_interpreter_runs(what: str) -> None:
+    """Skip the calling test where this Triton's CPU interpreter cannot run the kernels beside this
+    NumPy (scripts/triton_matrix.interpreter_runs: 3.6's takes int() of one-element arrays, which
+    NumPy 2.4 refuses); ``what`` says what needs the interpreter."""
+    import numpy
+    import triton
+    from triton_matrix import interpreter_runs
+
+    if not interpreter_runs(triton.__version__):
+        pytest.skip(f"{what}, and Triton {triton.__version__}'s interpreter cannot run these kernels beside "
+                    f"NumPy {numpy.__version__}")
 
 
 @pytest.fixture(scope="session")

@@ -8,18 +8,14 @@ interpreter."""
 
 import pytest
 
+from conftest import skip_unless_interpreter_runs
 from context_parallel import CASES, ranks_on_gpus, run_ranks
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_engine_on_two_ranks_matches_one(build_dir, case):
-    if not ranks_on_gpus(2):
-        import numpy
-        import triton
-        from triton_matrix import interpreter_runs  # (scripts/, on sys.path from conftest)
-        if not interpreter_runs(triton.__version__):  # (a one-GPU host's image: Triton 3.6 beside NumPy 2.4)
-            pytest.skip(f"CPU ranks need the interpreter, and Triton {triton.__version__}'s cannot run these "
-                        f"kernels beside NumPy {numpy.__version__}; two GPUs or a newer Triton run this case")
+    if not ranks_on_gpus(2):  # (a one-GPU host's image: Triton 3.6 beside NumPy 2.4; two GPUs run the case)
+        skip_unless_interpreter_runs("fewer GPUs than ranks: the ranks are CPU ranks through the interpreter")
     reports = run_ranks(case, build_dir, world_size=2)
     failures = {rank: report for rank, report in reports.items() if report != "ok"}
     assert not failures, "\n".join(f"rank {rank}:\n{report}" for rank, report in failures.items())

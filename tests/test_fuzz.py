@@ -47,12 +47,8 @@ ENTRIES = ["dense", "kvpacked", "qkvpacked", "varlen", "kvcache", "paged_kvcache
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_fuzz(build_dir, chunk):
-    import numpy
-    import triton
-    from triton_matrix import interpreter_runs  # (scripts/, on sys.path from conftest)
-    if not interpreter_runs(triton.__version__):  # (3.6's takes int() of one-element arrays: NumPy 2.4 refuses)
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels beside NumPy "
-                    f"{numpy.__version__}")
+    from conftest import skip_unless_interpreter_runs  # (here: this file also runs as a script)
+    skip_unless_interpreter_runs("the fuzz runs the kernels through the interpreter")
     first, last = chunk * CASES // CHUNKS, (chunk + 1) * CASES // CHUNKS
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     command = [sys.executable, __file__, str(build_dir), str(first), str(last)]
