@@ -7,6 +7,7 @@ import under each Triton release; these tests check the mechanism under the inst
 """
 
 import os
+import random
 import subprocess
 import sys
 
@@ -79,3 +80,58 @@ def test_route_declines_without_hopper(fa):
     for kernel in ("bwd_dkdv", "bwd_dq"):
         assert kernels.hopper_route.chosen(kernel, options, layout, interpreted, (q, q, q, q)) <= on_hopper
     assert kernels.hopper_route.chosen("fwd", options, layout, interpreted, (q, q, q)) <= on_hopper
+
+
+def _visible_keys_brute_force(options, seqlen_q, seqlen_k):
+    left, right = options.window
+    offset = seqlen_k - seqlen_q
+    pairs = sum(1 for i in range(seqlen_q) for j in range(seqlen_k)
+                if (left < 0 or j >= i + offset - left) and (right < 0 or j <= i + offset + right))
+    return pairs / seqlen_q if seqlen_q else 0.0
+
+
+def test_mean_visible_keys_counts_every_pair(fa):
+    """hopper_route.mean_visible_keys (the default route's measure of a forward's length) against a
+    count of every (query, key) pair: causal or not, windows on either side, more queries than
+    keys and fewer, empty sequences."""
+    kernels = fa.flash_attention_kernel
+    route, rng = kernels.hopper_route, random.Random(0)
+    for _ in range(400):
+        seqlen_q, seqlen_k = rng.randint(0, 40), rng.randint(0, 40)
+        bounds = [rng.choice([-1, rng.randint(0, 50)]) for _ in range(2)]
+        options = kernels.AttentionOptions(1.0, rng.random() < 0.5, *bounds)
+        assert route.mean_visible_keys(options, seqlen_q, seqlen_k) == pytest.approx(
+            _visible_keys_brute_force(options, seqlen_q, seqlen_k), abs=1e-12), (seqlen_q, seqlen_k, options.window)
+    assert route.mean_visible_keys(kernels.AttentionOptions(1.0, True), 16384, 16384) == 8192.5
+
+
+def test_short_calls_keep_the_tl_kernels(fa, monkeypatch):
+    """The default route gives a call the Gluon kernel only where it is long enough
+    (hopper_route.long_enough: the forward from a mean of 256 keys a query row at head dim 128 and
+    2048 at 64, the backward from 256 keys); FLASH_ATTENTION_GLUON=1 gives it every call it fits.
+    ``fits`` is a stand-in here (true everywhere, as on an H100), and this Triton counts as checked."""
+    kernels = fa.flash_attention_kernel
+    route = kernels.hopper_route
+    monkeypatch.setattr(route, "fits", lambda *args, **kwargs: True)
+    monkeypatch.setattr(route, "CHECKED_VERSIONS", (__import__("triton").__version__,))
+    monkeypatch.delenv("FLASH_ATTENTION_GLUON", raising=False)
+    monkeypatch.delenv("FLASH_ATTENTION_TMA", raising=False)
+
+    def chosen(kernel, seqlen, head_dim, causal, window=(-1, -1)):
+        q = torch.empty(1, seqlen, 2, head_dim, dtype=torch.bfloat16)
+        options = kernels.AttentionOptions(head_dim ** -0.5, causal, *window)
+        tensors = (q, q, q) if kernel == "fwd" else (q, q, q, q)
+        return route.chosen(kernel, options, kernels.launch.SequenceLayout.of(q, q), False, tensors)
+
+    expected = {  # (kernel, seqlen, head dim, causal): chosen
+        ("fwd", 256, 128, True): False, ("fwd", 512, 128, True): True, ("fwd", 256, 128, False): True,
+        ("fwd", 128, 128, False): False, ("fwd", 2048, 64, True): False, ("fwd", 4096, 64, True): True,
+        ("fwd", 1024, 64, False): False, ("fwd", 2048, 64, False): True,
+        ("bwd_dq", 128, 128, False): False, ("bwd_dkdv", 128, 64, True): False,
+        ("bwd_dq", 256, 128, True): True, ("bwd_dkdv", 256, 64, True): True,
+    }
+    assert {case: chosen(*case) for case in expected} == expected
+    assert not chosen("fwd", 4096, 128, False, window=(100, 7))  # (a window leaves each row 108 keys)
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    assert all(chosen(*case) for case in expected)
+    assert chosen("fwd", 4096, 128, False, window=(100, 7))

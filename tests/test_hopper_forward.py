@@ -46,8 +46,15 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_route.CHECKED_VERSIONS)
     expected = ON_HOPPER and checked
     assert _routed_to_gluon(fa, q, k, v, causal=True) == expected
-    assert _routed_to_gluon(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7) == expected
+    assert _routed_to_gluon(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=300, window_right=40) == expected
     assert _routed_to_gluon(fa, q, k, v, sinks=torch.zeros(4, device=q.device)) == expected
+    # (too few keys a row for the default route, hopper_route.long_enough: d128 from 256, d64 from 2048)
+    assert not _routed_to_gluon(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7)
+    assert not _routed_to_gluon(fa, q[..., :64], k[..., :64], v[..., :64])
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")  # (every call it can run, short ones too)
+    assert _routed_to_gluon(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7) == ON_HOPPER
+    assert _routed_to_gluon(fa, q[..., :64], k[..., :64], v[..., :64]) == ON_HOPPER
+    monkeypatch.delenv("FLASH_ATTENTION_GLUON")
     assert not _routed_to_gluon(fa, q, k[:, :192], v[:, :192])  # (keys not a multiple of 128)
     assert not _routed_to_gluon(fa, q[:, :192], k, v)  # (queries not a multiple of 128)
     assert not _routed_to_gluon(fa, q[..., :96], k[..., :96], v[..., :96])  # (head dim)

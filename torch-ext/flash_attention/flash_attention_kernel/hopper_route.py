@@ -12,9 +12,10 @@ imports the kernel's module, once per process (``launcher``). If that import fai
 Triton, a warning names the error once and every call takes the tl kernels, which run under every
 Triton from 3.4 on.
 
-``FLASH_ATTENTION_GLUON``: unset, the Gluon kernels run on every call they take, under a Triton in
-``CHECKED_VERSIONS`` (they are faster than the tl kernels on each, docs/benchmarks.md#hopper-kernels
-and docs/design.md#hopper-gluon-kernels); "1" also under other Tritons (the import may then fail, as above); "0" never.
+``FLASH_ATTENTION_GLUON``: unset, the Gluon kernels run on the calls they take that are long enough
+(``long_enough``), under a Triton in ``CHECKED_VERSIONS``: there they are faster than the tl kernels
+(docs/benchmarks.md#hopper-kernels, docs/design.md#hopper-gluon-kernels); "1" on every call they can
+run, short ones too and under other Tritons (the import may then fail, as above); "0" never.
 """
 
 import importlib
@@ -41,6 +42,12 @@ ALL_OPTIONS = KERNEL_BITS | SINKS
 KERNELS = {"fwd": ("hopper_forward", "attention_forward"), "bwd_dq": ("hopper_dq", "attention_dq"),
            "bwd_dkdv": ("hopper_dkdv", "attention_dkdv")}
 
+# The shortest calls the default route gives each Gluon kernel (``long_enough``; the H100 sweeps
+# behind them: docs/design.md#hopper-gluon-kernels, "Short calls"). Forward: the mean number of keys
+# a query row sees, per head dim. Backward (both passes): seqlen_k.
+FORWARD_MIN_KEYS = {64: 2048, 128: 256}
+BACKWARD_MIN_SEQLEN_K = 256
+
 _loaded = {}  # module name -> the imported module, or None where its import failed
 
 
@@ -48,16 +55,59 @@ def chosen(kernel: str, options: AttentionOptions, layout: SequenceLayout, inter
     """Whether the Gluon kernel of pass ``kernel`` is the one to run this call (``tensors``: q, k,
     v, and dout for the backward) unless an override says otherwise: the kernels are enabled
     (FLASH_ATTENTION_GLUON, CHECKED_VERSIONS; FLASH_ATTENTION_TMA=0 turns them off too) and the call
-    ``fits``, with options the kernel is chosen for. The dQ kernel is not chosen for dropout
-    without causal masking, where the tl kernel is 4% faster (the Philox draws weigh more against
-    its products, docs/design.md#gluon-dq)."""
+    ``fits``, with options the kernel is chosen for, and, unless FLASH_ATTENTION_GLUON=1, is
+    ``long_enough``. The dQ kernel is not chosen for dropout without causal masking, where the tl
+    kernel is 4% faster (the Philox draws weigh more against its products, docs/design.md#gluon-dq)."""
     setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
     if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
         return False
     if setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS):
         return False
     allowed = ALL_OPTIONS & ~(DROPOUT if kernel == "bwd_dq" and not options.causal else 0)
-    return fits(kernel, options, layout, interpreted, tensors, allowed)
+    return fits(kernel, options, layout, interpreted, tensors, allowed) and (
+        setting == "1" or long_enough(kernel, options, layout, tensors[0].shape[-1]))
+
+
+def long_enough(kernel: str, options: AttentionOptions, layout: SequenceLayout, head_dim: int) -> bool:
+    """Whether a dense call that the Gluon kernel of pass ``kernel`` fits is long enough for it to
+    beat the tl kernel: the forward where a query row sees at least FORWARD_MIN_KEYS[head_dim] keys
+    on average (``mean_visible_keys``), the backward from BACKWARD_MIN_SEQLEN_K keys. Below, a
+    warp-specialised program's setup (barriers, descriptors, the producer's first loads) is not
+    repaid by its pipelining over few key tiles, and the Gluon path costs the host more per call:
+    its descriptors, and a third backward launch (delta's preprocess) where the tl dQ kernel makes
+    delta itself."""
+    if kernel == "fwd":
+        return mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= FORWARD_MIN_KEYS[head_dim]
+    return layout.seqlen_k >= BACKWARD_MIN_SEQLEN_K
+
+
+def mean_visible_keys(options: AttentionOptions, seqlen_q: int, seqlen_k: int) -> float:
+    """The mean over query rows of the keys each sees: row i sees keys j of
+    i + off - left <= j <= i + off + right (off = seqlen_k - seqlen_q: the causal diagonal and the
+    window are aligned to the bottom right, as in flash-attn; a bound of -1 is none), clipped to
+    [0, seqlen_k). Exact, in O(1): the count is linear between the two rows where a clip starts."""
+    if seqlen_q <= 0:
+        return 0.0
+    left, right = options.window
+    off, unbounded = seqlen_k - seqlen_q, seqlen_q + seqlen_k
+    low = off - left if left >= 0 else -unbounded  # row i's first key is max(0, i + low) ...
+    high = off + right + 1 if right >= 0 else unbounded  # ... and its last + 1 min(seqlen_k, i + high)
+    edges = sorted({0, seqlen_q, *(row for row in (-low, seqlen_k - high) if 0 < row < seqlen_q)})
+    total = 0
+    for first, end in zip(edges, edges[1:]):  # rows [first, end): the count is linear in the row
+        count = min(seqlen_k, first + high) - max(0, first + low)
+        slope = (first + high < seqlen_k) - (first + low >= 0)
+        total += _sum_of_positive(count, slope, end - first)
+    return total / seqlen_q
+
+
+def _sum_of_positive(first: int, step: int, n: int) -> int:
+    """sum over t < n of max(0, first + step * t), for step -1, 0 or 1."""
+    if step == 0:
+        return n * max(0, first)
+    low, high = (first, first + n - 1) if step > 0 else (first - n + 1, first)
+    low = max(low, 1)
+    return (low + high) * (high - low + 1) // 2 if high >= low else 0
 
 
 def fits(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors,
