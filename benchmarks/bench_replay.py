@@ -4,8 +4,9 @@ docs/design.md#prepared-calls).
 Eager time per call (bench_host.eager_us: 100 back-to-back calls, one synchronisation; median
 of 7, the better of two rounds) of flash_attn_func forward and forward + backward at batch 1,
 N = 128 (the host cost) and at 16k tokens of N = 1024, with FLASH_ATTENTION_REPLAY on and off and
-the Gluon kernels on and off, beside SDPA FLASH and CUDNN; and a decode step over a 1k cache
-(cache_seqlens a tensor).
+the Gluon kernels on and off (FLASH_ATTENTION_GLUON=1 / 0: at N = 128 the default route takes
+the tl kernels), beside SDPA FLASH and CUDNN; the floor of any Python autograd.Function at N = 128
+(one that only allocates its outputs); and a decode step over a 1k cache (cache_seqlens a tensor).
 
 Usage: python benchmarks/bench_replay.py     (after scripts/build_variants.py, on a GPU; writes
        $OUT/replay.txt where OUT is set)
@@ -44,6 +45,33 @@ def attention_calls(fa, batch, n, heads=16, d=128, causal=True):
             lambda: torch.autograd.grad(fa.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout), sdpa)
 
 
+class _AllocateOnly(torch.autograd.Function):
+    """Attention's autograd shape with no work: the forward allocates out and lse and saves five
+    tensors, the backward allocates three gradients. Its eager step is the floor of any
+    attention written as a Python autograd.Function on this host."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def autograd_floor_us(batch=1, n=128, heads=16, d=128):
+    """(forward, forward + backward) eager us per call of _AllocateOnly at the N = 128 shape."""
+    q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    return (eager_us(lambda: _AllocateOnly.apply(q, k, v), runs=7),
+            eager_us(lambda: torch.autograd.grad(_AllocateOnly.apply(q, k, v), (q, k, v), dout), runs=7))
+
+
 def decode_step(fa):
     """One flash_attn_with_kvcache step over a 1k cache, cache_seqlens a tensor."""
     q = torch.randn(1, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
@@ -71,6 +99,11 @@ def main():
             line += f"  | SDPA FLASH {peers['FLASH_ATTENTION']:.1f} CUDNN {peers['CUDNN_ATTENTION']:.1f} us"
             print(line, flush=True)
             rows.append(line)
+    floor_forward, floor_step = autograd_floor_us()
+    line = (f"b1 N128 floor: an autograd.Function that only allocates: fwd {floor_forward:.1f}  "
+            f"fwd+bwd {floor_step:.1f} us")
+    print(line, flush=True)
+    rows.append(line)
     os.environ["FLASH_ATTENTION_GLUON"] = "1"
     fn, times = decode_step(fa), {}
     for _ in range(2):
