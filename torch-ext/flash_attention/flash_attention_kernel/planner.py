@@ -6,8 +6,9 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
 (hopper_forward, hopper_dq, hopper_dkdv):
 
 * Gluon where ``hopper_route.chosen`` says so (sm_90, a checked Triton, a dense bf16/fp16 call in
-  full tiles at head dim 64 or 128, FLASH_ATTENTION_GLUON), with ``configs.gluon_config`` (the
-  kernel's fixed program tiles and its ring depth per head dim and mask).
+  full tiles at head dim 64 or 128, long enough to repay the kernel, FLASH_ATTENTION_GLUON), with
+  ``configs.gluon_config`` (the kernel's fixed program tiles and its ring depth per head dim and
+  mask).
 * tl otherwise, with ``launch.tl_launch`` (the config table's entry, warp-specialised or plain,
   through tensor descriptors or not). A pass the Gluon kernel runs gets no tl launch.
 * delta (rowsum(dO * O) - dlse, which both backward kernels read): fp32 inputs make it in the tl
