@@ -97,8 +97,12 @@ def point(row) -> tuple:
     return row["direction"], row["dtype"], row["head_dim"], row["causal"], row["seqlen"]
 
 
+def mask(row) -> str:
+    return "causal" if row["causal"] else "nc"
+
+
 def where(row) -> str:
-    return f"{row['direction']} {row['dtype']} d{row['head_dim']} {'causal' if row['causal'] else 'nc'} N={row['seqlen']}"
+    return f"{row['direction']} {row['dtype']} d{row['head_dim']} {mask(row)} N={row['seqlen']}"
 
 
 def verdict(label: str, ratios: list) -> str:
@@ -143,7 +147,7 @@ def table(rows):
              + " | ".join(f"x {p}" for p in PEERS) + " |", "|" + "---|" * (6 + 2 * len(PEERS))]
     for row in rows:
         lines.append(f"| {row['direction']} | {row['dtype']} | {row['head_dim']} | "
-                     f"{'causal' if row['causal'] else 'nc'} | {row['seqlen']} | {row[OURS]:.0f} | "
+                     f"{mask(row)} | {row['seqlen']} | {row[OURS]:.0f} | "
                      + " | ".join(f"{row[p]:.0f}" for p in PEERS) + " | "
                      + " | ".join(f"{ratio(row, p):.2f}" for p in PEERS) + " |")
     return lines

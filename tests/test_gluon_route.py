@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import PACKAGE_SOURCE
+from reference import visible_mask
 
 GLUON_MODULES = ("hopper_gluon", "hopper_forward", "hopper_dq", "hopper_dkdv", "hopper_dropout")
 
@@ -82,26 +83,20 @@ def test_route_declines_without_hopper(fa):
     assert kernels.hopper_route.chosen("fwd", options, layout, interpreted, (q, q, q)) <= on_hopper
 
 
-def _visible_keys_brute_force(options, seqlen_q, seqlen_k):
-    left, right = options.window
-    offset = seqlen_k - seqlen_q
-    pairs = sum(1 for i in range(seqlen_q) for j in range(seqlen_k)
-                if (left < 0 or j >= i + offset - left) and (right < 0 or j <= i + offset + right))
-    return pairs / seqlen_q if seqlen_q else 0.0
-
-
 def test_mean_visible_keys_counts_every_pair(fa):
     """hopper_route.mean_visible_keys (the default route's measure of a forward's length) against a
-    count of every (query, key) pair: causal or not, windows on either side, more queries than
-    keys and fewer, empty sequences."""
+    count of the visible pairs of the reference's mask (reference.visible_mask): causal or not,
+    windows on either side, more queries than keys and fewer, empty sequences."""
     kernels = fa.flash_attention_kernel
     route, rng = kernels.hopper_route, random.Random(0)
     for _ in range(400):
         seqlen_q, seqlen_k = rng.randint(0, 40), rng.randint(0, 40)
         bounds = [rng.choice([-1, rng.randint(0, 50)]) for _ in range(2)]
         options = kernels.AttentionOptions(1.0, rng.random() < 0.5, *bounds)
-        assert route.mean_visible_keys(options, seqlen_q, seqlen_k) == pytest.approx(
-            _visible_keys_brute_force(options, seqlen_q, seqlen_k), abs=1e-12), (seqlen_q, seqlen_k, options.window)
+        pairs = visible_mask(seqlen_q, seqlen_k, options.causal, (options.window_left, options.window_right)).sum()
+        expected = pairs.item() / seqlen_q if seqlen_q else 0.0
+        assert route.mean_visible_keys(options, seqlen_q, seqlen_k) == pytest.approx(expected, abs=1e-12), (
+            seqlen_q, seqlen_k, options.window)
     assert route.mean_visible_keys(kernels.AttentionOptions(1.0, True), 16384, 16384) == 8192.5
 
 

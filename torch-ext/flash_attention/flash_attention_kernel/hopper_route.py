@@ -83,15 +83,16 @@ def long_enough(kernel: str, options: AttentionOptions, layout: SequenceLayout, 
 
 def mean_visible_keys(options: AttentionOptions, seqlen_q: int, seqlen_k: int) -> float:
     """The mean over query rows of the keys each sees: row i sees keys j of
-    i + off - left <= j <= i + off + right (off = seqlen_k - seqlen_q: the causal diagonal and the
-    window are aligned to the bottom right, as in flash-attn; a bound of -1 is none), clipped to
-    [0, seqlen_k). Exact, in O(1): the count is linear between the two rows where a clip starts."""
+    i + diag - left <= j <= i + diag + right (diag = seqlen_k - seqlen_q, as in scores.py: the
+    causal diagonal and the window are aligned to the bottom right, as in flash-attn; a bound of -1
+    is none), clipped to [0, seqlen_k). Exact, in O(1): the count is linear between the two rows
+    where a clip starts."""
     if seqlen_q <= 0:
         return 0.0
     left, right = options.window
-    off, unbounded = seqlen_k - seqlen_q, seqlen_q + seqlen_k
-    low = off - left if left >= 0 else -unbounded  # row i's first key is max(0, i + low) ...
-    high = off + right + 1 if right >= 0 else unbounded  # ... and its last + 1 min(seqlen_k, i + high)
+    diag, unbounded = seqlen_k - seqlen_q, seqlen_q + seqlen_k
+    low = diag - left if left >= 0 else -unbounded  # row i's first key is max(0, i + low) ...
+    high = diag + right + 1 if right >= 0 else unbounded  # ... and its last + 1 min(seqlen_k, i + high)
     edges = sorted({0, seqlen_q, *(row for row in (-low, seqlen_k - high) if 0 < row < seqlen_q)})
     total = 0
     for first, end in zip(edges, edges[1:]):  # rows [first, end): the count is linear in the row
