@@ -30,7 +30,7 @@ already shaped to broadcast. tests/test_logits_rule.py checks these forms, and s
 against one host statement of the rule (``logits_rule`` in tests/reference.py).
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
-``async_load`` from 3.9), so the module binds the name it finds; ``hopper_route.CHECKED_VERSIONS``
+``async_load`` from 3.8), so the module binds the name it finds; ``hopper_route.CHECKED_VERSIONS``
 lists the Triton releases the kernels were run and checked under.
 """
 

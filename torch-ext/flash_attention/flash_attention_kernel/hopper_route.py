@@ -31,7 +31,7 @@ from .launch import SequenceLayout, _splits_into_rows, _tma_possible
 from .options import ALIBI, DROPOUT, MASK_LEFT, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
 
 # Triton releases under which the Gluon kernels ran the GPU suite (docs/design.md#constants)
-CHECKED_VERSIONS = ("3.6.", "3.9.")
+CHECKED_VERSIONS = ("3.6.", "3.7.", "3.8.", "3.9.")
 HEAD_DIMS = (64, 128)
 
 # The VARIANT bits the Gluon kernels read; sinks reach them through the lse
