@@ -15,10 +15,12 @@ bench_flash_attention.py counts them (causal halves the pairs, backward 2.5x the
 JSON line per point goes to --out.
 
 --compare BASE NEW prints NEW's rate over BASE's at every point the two share, their median, the
-lowest, and the points below --bar (0.97: within 3 %).
+lowest, and the points below --bar (0.97: within 3 %). BASE and NEW may each be several runs,
+comma-separated, whose median rate per point is taken: alternate the releases within a call
+(3.6, 3.9, 3.6, 3.9) so that neither always runs on the warmer GPU.
 
 Usage: python benchmarks/triton_parity.py --out run.jsonl [--dtype bf16] [--seqlens 1024 ...] [--tl]
-       python benchmarks/triton_parity.py --compare base.jsonl new.jsonl [--bar 0.97]
+       python benchmarks/triton_parity.py --compare base.jsonl[,base2.jsonl] new.jsonl[,new2.jsonl] [--bar 0.97]
 """
 
 import argparse
@@ -106,8 +108,18 @@ def compare(base_rows, new_rows, bar=0.97):
     return lines, statistics.median(r for r, _ in ratios), min(ratios), below
 
 
-def read_rows(path):
-    return [json.loads(line) for line in open(path) if line.strip()]
+def read_runs(paths: str):
+    """The rows of one or more runs (comma-separated paths), each point's rate the median over
+    the runs that have it."""
+    rates, rows = {}, {}
+    for path in paths.split(","):
+        for line in open(path):
+            if line.strip():
+                row = json.loads(line)
+                point = tuple(row[key] for key in POINT)
+                rates.setdefault(point, []).append(row["tflops"])
+                rows.setdefault(point, row)
+    return [dict(rows[point], tflops=statistics.median(values)) for point, values in rates.items()]
 
 
 def main(argv=None):
@@ -117,12 +129,12 @@ def main(argv=None):
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqlens", type=int, nargs="+", default=SEQLENS)
     parser.add_argument("--tl", action="store_true", help="also the tl kernels alone")
-    parser.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), type=Path)
+    parser.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), help="runs (comma-separated) to compare")
     parser.add_argument("--bar", type=float, default=0.97)
     args = parser.parse_args(argv)
     if args.compare:
         (base_path, new_path) = args.compare
-        base_rows, new_rows = read_rows(base_path), read_rows(new_path)
+        base_rows, new_rows = read_runs(base_path), read_runs(new_path)
         lines, median, (lowest, at), below = compare(base_rows, new_rows, args.bar)
         print(f"Triton {new_rows[0]['triton']} over {base_rows[0]['triton']}, TFLOP/s")
         print("\n".join(lines))

@@ -49,3 +49,18 @@ def test_command_line_compare(parity, tmp_path, capsys):
     parity.main(["--compare", *paths])
     printed = capsys.readouterr().out
     assert "median 0.980, lowest 0.980" in printed and "0 of 1 points below 0.97" in printed
+
+
+def test_several_runs_a_side_take_each_points_median(parity, tmp_path, capsys):
+    paths = {}
+    for name, rates in (("base1", (400.0, 500.0)), ("base2", (410.0, 520.0)), ("base3", (390.0, 510.0)),
+                        ("new1", (380.0, 505.0)), ("new2", (384.0, 495.0))):
+        path = tmp_path / f"{name}.jsonl"
+        rows = _run(name, {(2048, "bwd"): rates[0], (4096, "bwd"): rates[1]})
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        paths[name] = str(path)
+    parity.main(["--compare", ",".join(paths[n] for n in ("base1", "base2", "base3")),
+                 ",".join(paths[n] for n in ("new1", "new2"))])
+    printed = capsys.readouterr().out
+    # medians: base 400 / 510, new 382 / 500 -> 0.955 and 0.980
+    assert "| 0.955 |" in printed and "| 0.980 |" in printed and "1 of 2 points below 0.97" in printed
