@@ -30,7 +30,18 @@ PACKAGE_SOURCE = REPO_ROOT / "torch-ext" / "flash_attention"
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import build_variants  # noqa: E402
 
-__all__ = ["DEVICE", "ON_GPU", "PACKAGE_SOURCE", "REPO_ROOT", "skip_unless_interpreter_runs"]
+__all__ = ["DEVICE", "ON_GPU", "PACKAGE_SOURCE", "REPO_ROOT", "benchmark_module", "skip_unless_interpreter_runs"]
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported as a module, for the tests of a benchmark's own logic
+    (targets.py's verdicts, triton_parity.py's comparison) that need no GPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def skip_unless_interpreter_runs(what: str) -> None:

@@ -2,11 +2,10 @@
 targets hold. A synthetic summary with known ratios checks its verdicts (CPU only, no kernel)."""
 
 import csv
-import importlib.util
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import benchmark_module
 
 FIELDS = ["direction", "dtype", "head_dim", "causal", "seqlen", "triton-fa", "sdpa-flash", "sdpa-cudnn",
           "sdpa-efficient", "flex"]
@@ -14,10 +13,7 @@ FIELDS = ["direction", "dtype", "head_dim", "causal", "seqlen", "triton-fa", "sd
 
 @pytest.fixture(scope="module")
 def targets():
-    spec = importlib.util.spec_from_file_location("targets", REPO_ROOT / "benchmarks" / "targets.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("targets")
 
 
 def _summary(path, rows):

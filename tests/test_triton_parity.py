@@ -2,20 +2,16 @@
 Synthetic runs with known ratios check its table, median, lowest point and the points below the
 bar (CPU only, no kernel)."""
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def parity():
-    spec = importlib.util.spec_from_file_location("triton_parity", REPO_ROOT / "benchmarks" / "triton_parity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("triton_parity")
 
 
 def _run(triton, rates):
