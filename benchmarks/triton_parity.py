@@ -15,7 +15,8 @@ bench_flash_attention.py counts them (causal halves the pairs, backward 2.5x the
 JSON line per point goes to --out.
 
 --compare BASE NEW prints NEW's rate over BASE's at every point the two share, their median, the
-lowest, and the points below --bar (0.97: within 3 %). BASE and NEW may each be several runs,
+lowest, and the points below --bar (targets.BASELINE_SHARE, 0.97: within 3 %, the bar
+targets.py --baseline applies to bench_flash_attention.py's summaries). BASE and NEW may each be several runs,
 comma-separated, whose median rate per point is taken: alternate the releases within a call
 (3.6, 3.9, 3.6, 3.9) so that neither always runs on the warmer GPU.
 
@@ -29,14 +30,13 @@ import statistics
 import sys
 from pathlib import Path
 
-TOKENS, HIDDEN = 16384, 2048
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_flash_attention import HIDDEN, TOKENS, attention_flops  # noqa: E402
+from targets import BASELINE_SHARE  # noqa: E402
+
 SEQLENS = [1024, 2048, 4096, 16384]
 POINT = ("dtype", "head_dim", "causal", "seqlen", "direction", "kernels")  # the fields naming a point
-
-
-def attention_flops(batch, heads, seqlen, head_dim, causal, direction):
-    flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    return flops * (2.5 if direction == "bwd" else 1.0)
+TL_PASSES = ("fwd", "bwd_dq", "bwd_dkdv")  # (configs.PASSES with a Gluon kernel the tl one replaces)
 
 
 def measure(args):
@@ -67,8 +67,9 @@ def measure(args):
                     calls = {"fwd": lambda: kernels.attention_forward(q, k, v, options),
                              "bwd": lambda: kernels.attention_backward(dout, q, k, v, out, lse, options)}
                     for route in routes:
-                        for kernel in configs.PASSES[:3] if route == "tl" else ():
-                            configs.set_override(kernel, implementation="tl")
+                        if route == "tl":
+                            for kernel in TL_PASSES:
+                                configs.set_override(kernel, implementation="tl")
                         try:
                             for direction, call in calls.items():
                                 call()
@@ -81,13 +82,13 @@ def measure(args):
                                 out_file.write(json.dumps(row) + "\n")
                                 out_file.flush()
                         finally:
-                            for kernel in configs.PASSES[:3]:
+                            for kernel in TL_PASSES:
                                 configs.set_override(kernel, None)
     print(f"wrote {len(rows)} points to {args.out} (Triton {triton.__version__}, {torch.cuda.get_device_name()})")
     return rows
 
 
-def compare(base_rows, new_rows, bar=0.97):
+def compare(base_rows, new_rows, bar=BASELINE_SHARE):
     """(lines of the table, median ratio, lowest ratio, points below ``bar``) of NEW over BASE at
     every point both have."""
     base = {tuple(row[key] for key in POINT): row for row in base_rows}
@@ -130,7 +131,8 @@ def main(argv=None):
     parser.add_argument("--seqlens", type=int, nargs="+", default=SEQLENS)
     parser.add_argument("--tl", action="store_true", help="also the tl kernels alone")
     parser.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), help="runs (comma-separated) to compare")
-    parser.add_argument("--bar", type=float, default=0.97)
+    parser.add_argument("--bar", type=float, default=BASELINE_SHARE,
+                        help="the ratio a point must reach (targets.py's for a baseline run)")
     args = parser.parse_args(argv)
     if args.compare:
         (base_path, new_path) = args.compare

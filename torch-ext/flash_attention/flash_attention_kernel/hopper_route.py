@@ -30,7 +30,8 @@ from .configs import GLUON_TILES
 from .launch import SequenceLayout, _splits_into_rows, _tma_possible
 from .options import ALIBI, DROPOUT, MASK_LEFT, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
 
-# Triton releases under which the Gluon kernels ran the GPU suite (docs/design.md#constants)
+# Triton releases under which the Gluon kernels were checked on a GPU: the suite (3.6, 3.9), their
+# own test files (3.7, 3.8) (docs/design.md#constants)
 CHECKED_VERSIONS = ("3.6.", "3.7.", "3.8.", "3.9.")
 HEAD_DIMS = (64, 128)
 

@@ -88,8 +88,9 @@ def use_tma(table_choices, interpreted: bool, *tensors: torch.Tensor):
     return wanted
 
 
-# Triton versions whose Hopper warp specialisation computes our forward correctly: checked on an
-# H200 with the GPU test suite (docs/design.md#warp-specialised-tl-loops). Triton 3.6 miscompiles
+# Triton versions whose Hopper warp specialisation computes our forward correctly: 3.6 checked on
+# an H200 with the GPU test suite, 3.7-3.9 on an H100 with the warp-specialisation, Gluon and TMA
+# test files (docs/design.md#warp-specialised-tl-loops). Triton 3.6 miscompiles
 # other shapes of the same loop silently, so an unchecked version keeps the plain pipelined loop.
 WARP_SPECIALIZATION_CHECKED = ("3.6.", "3.7.", "3.8.", "3.9.")
 INT32_MAX = 2 ** 31 - 1  # (total_k of a paged cache: no row bound, SequenceLayout.cu_seqlens)
