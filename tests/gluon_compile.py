@@ -6,7 +6,8 @@ has run kernels through TRITON_INTERPRET=1 can carry the interpreter's state int
 gl.program_id return a bare IR value there, once, in one worker). The caller's script body sees
 ``package`` (the built package, imported under its own name ``name``: its Gluon modules load
 with ``importlib.import_module(name + ".flash_attention_kernel.hopper_...")``), ``gl`` and
-``args`` (its arguments, as strings) and sets ``function``, ``signature`` and ``constants`` for
+``args`` (its arguments, as strings), ``chunk_descriptors`` (the descriptor types of a tensor's
+head-dim chunks) and sets ``function``, ``signature`` and ``constants`` for
 ``GluonASTSource``. With GLUON_PTX_DIR set, each compiled kernel's PTX (its code, without debug
 sections and line records) is also written there, named by the kernel and the arguments, so that
 two trees' Gluon kernels compare with ``diff -r``: identical files, identical kernels.
@@ -31,6 +32,18 @@ spec = importlib.util.spec_from_file_location(name, pathlib.Path(package_dir) / 
 package = importlib.util.module_from_spec(spec)
 sys.modules[name] = package
 spec.loader.exec_module(package)
+
+# {tensor_desc: its type, tensor_desc_b: the second head-dim chunk's type} of a bf16 tensor read in
+# blocks of ``rows`` rows of each chunk (hopper_gluon.tile_arguments); a second chunk of width 0 is
+# a None argument, put in ``constants``
+def chunk_descriptors(tensor, rows, chunks, constants):
+    def descriptor(width):
+        shared = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {width}],{shared!r}>"
+    if not chunks[1]:
+        constants[tensor + "_desc_b"] = None
+        return {tensor + "_desc": descriptor(chunks[0])}
+    return {tensor + "_desc": descriptor(chunks[0]), tensor + "_desc_b": descriptor(chunks[1])}
 """
 
 _BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"

@@ -1,6 +1,6 @@
 """The backward's Gluon kernels for Hopper (flash_attention_kernel/hopper_dkdv.py, hopper_dq.py).
 
-On a Hopper GPU under a checked Triton, dense backward calls with full tiles, head dim 64 or 128,
+On a Hopper GPU under a checked Triton, dense backward calls with full tiles, head dim 64, 80, 96 or 128,
 bf16/fp16 and any options take them instead of the tl kernels: the dK/dV kernel where seqlen_q is a multiple of 64 and seqlen_k of 128, the dQ kernel
 where seqlen_q is a multiple of 128 and seqlen_k of 64 (the other cases mix a Gluon kernel with a
 tl one). The cases cross what the kernels handle themselves: causal rows aligned bottom-right
@@ -64,7 +64,8 @@ def test_taken_only_where_they_can_work(fa, monkeypatch):
     assert _routed_to_gluon(fa, q[:, :192], k, v) == (ON_HOPPER, False)  # whole for dK/dV, partial for dQ
     assert _routed_to_gluon(fa, q, k[:, :192], v[:, :192]) == (False, ON_HOPPER)  # partial for dK/dV, whole for dQ
     assert not any(_routed_to_gluon(fa, q, k[:, :160], v[:, :160]))
-    assert not any(_routed_to_gluon(fa, *(x[..., :96].contiguous() for x in (q, k, v))))  # head dim 96
+    assert _taken(fa, *(x[..., :96].contiguous() for x in (q, k, v))) == ON_HOPPER  # (two chunks: 64 + 32)
+    assert not any(_routed_to_gluon(fa, *(x[..., :112].contiguous() for x in (q, k, v))))  # (no Gluon head dim)
     assert not any(_routed_to_gluon(fa, q.float(), k.float(), v.float()))
     slopes = torch.zeros(4, device=q.device)
     for options in (dict(window_left=64), dict(causal=True, window_left=64), dict(window_right=0),
@@ -82,8 +83,6 @@ _KERNEL_SIGNATURE = """
 kernel, head_dim, group, variant, alibi_abs = args
 head_dim, group, variant, alibi_abs = int(head_dim), int(group), int(variant), alibi_abs == "True"
 module = importlib.import_module(name + ".flash_attention_kernel.hopper_" + kernel)
-shared = gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
-descriptor = f"tensordesc<bf16[64, {head_dim}],{shared!r}>"
 geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
 options = dict(score_scale="fp32", softcap_log2="fp32", softmax_scale="fp32", window_left="i32",
                window_right="i32", AlibiSlopes="*fp32", stride_alibi_b="i32", RngState="*i64",
@@ -106,11 +105,12 @@ else:
 configs = importlib.import_module(name + ".flash_attention_kernel.configs")
 mask_left = importlib.import_module(name + ".flash_attention_kernel.options").MASK_LEFT
 stages = configs.gluon_config("bwd_" + kernel, head_dim, "window" if variant & mask_left else "none").stages
-constants = dict(HEAD_DIM=head_dim, GROUP_SIZE=group, STAGES=stages, VARIANT=variant,
-                 ALIBI_ABS=alibi_abs, **extra)
-signature = dict(
-    q_desc=descriptor, k_desc=descriptor, v_desc=descriptor, do_desc=descriptor, **{n: "i32" for n in geometry},
-    **arguments, **options, **{key: "constexpr" for key in constants})
+constants = dict(GROUP_SIZE=group, STAGES=stages, VARIANT=variant, ALIBI_ABS=alibi_abs, **extra)
+descriptors = {}
+for tensor in ("q", "k", "v", "do"):  # (every tile of both kernels has 64 rows)
+    descriptors.update(chunk_descriptors(tensor, 64, configs.head_dim_chunks(head_dim), constants))
+types = dict(**descriptors, **{n: "i32" for n in geometry}, **arguments, **options)
+signature = {n: "constexpr" if n in constants else types[n] for n in function.arg_names}
 """
 
 
@@ -119,9 +119,12 @@ signature = dict(
     (128, 1, dict(causal=True, softcap=30.0)), (64, 2, {}), (128, 2, dict(causal=True, dropout_p=0.1)),
     (128, 1, dict(window_left=256, window_right=128, alibi=True)),
     (64, 2, dict(causal=True, window_left=256, alibi=True, softcap=30.0, dropout_p=0.1)),
-], ids=["causal-softcap", "plain", "causal-dropout", "window-alibi", "everything"])
+    (96, 2, dict(causal=True, dropout_p=0.1)), (80, 1, dict(window_left=256, alibi=True, softcap=30.0)),
+], ids=["causal-softcap", "plain", "causal-dropout", "window-alibi", "everything", "d96-causal-dropout",
+        "d80-window-alibi-softcap"])
 def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
     """The kernels compile to sm_90 cubins under the installed Triton, with no GPU needed."""
+    options = dict(options)  # (the parametrized dict serves both kernels: popping from it lost dQ's ALiBi)
     alibi = options.pop("alibi", False)
     attention = fa.flash_attention_kernel.AttentionOptions(
         0.125, alibi_slopes=torch.ones(1) if alibi else None, **options)
@@ -155,6 +158,14 @@ CASES = [
      True, (True, True)),
     ("d64-more-queries", lambda dt: (_bshd(1, 320, 4, dt, 64), _bshd(1, 256, 2, dt, 64), _bshd(1, 256, 2, dt, 64)),
      True, (True, False)),
+    # (head dims held as two chunks, 64 + 32 and 64 + 16: hopper_gluon.tile_arguments)
+    ("d96-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 96), _bshd(2, 384, 2, dt, 96), _bshd(2, 384, 2, dt, 96)),
+     True, (True, True)),
+    ("d80-gqa4-full", lambda dt: (_bshd(1, 384, 8, dt, 80), _bshd(1, 384, 2, dt, 80), _bshd(1, 384, 2, dt, 80)),
+     False, (True, True)),
+    ("d96-qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt, 96).unflatten(2, (3, 2)).unbind(2), False, (True, True)),
+    ("d80-bhsd-more-queries", lambda dt: (_bhsd_view(2, 384, 3, dt, 80), _bhsd_view(2, 256, 3, dt, 80),
+                                          _bhsd_view(2, 256, 3, dt, 80)), True, (True, True)),
 ]
 
 
@@ -205,7 +216,8 @@ def test_sinks_and_repeatability(fa, monkeypatch):
 
 
 DROPOUT_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "more-queries-causal",
-                                                        "short-keys-causal", "d64-gqa-causal")]
+                                                        "short-keys-causal", "d64-gqa-causal", "d96-gqa-causal",
+                                                        "d80-gqa4-full")]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")

@@ -1,7 +1,7 @@
 """The forward's Gluon kernel for Hopper (flash_attention_kernel/hopper_forward.py).
 
 On a Hopper GPU under a checked Triton, dense forward calls whose seqlen_q and seqlen_k are
-multiples of 128, with head dim 64 or 128, bf16/fp16 and any options take it instead of the tl
+multiples of 128, with head dim 64, 80, 96 or 128, bf16/fp16 and any options take it instead of the tl
 kernel. The cases cross what the kernel handles itself: its software pipeline (the first tile's
 P formed before the loop, the last tile's P V after it, whichever range they lie in), causal rows
 aligned bottom-right (rows that see no key end with lse +inf, or the sink), GQA groups, heads side
@@ -57,7 +57,8 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     monkeypatch.delenv("FLASH_ATTENTION_GLUON")
     assert not _routed_to_gluon(fa, q, k[:, :192], v[:, :192])  # (keys not a multiple of 128)
     assert not _routed_to_gluon(fa, q[:, :192], k, v)  # (queries not a multiple of 128)
-    assert not _routed_to_gluon(fa, q[..., :96], k[..., :96], v[..., :96])  # (head dim)
+    assert not _routed_to_gluon(fa, q[..., :112], k[..., :112], v[..., :112])  # (no Gluon head dim)
+    assert _routed_to_gluon(fa, q[..., :96], k[..., :96], v[..., :96]) == expected  # (two chunks: 64 + 32)
     assert not _routed_to_gluon(fa, q.float(), k.float(), v.float())
     kernels = fa.flash_attention_kernel
     cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32, device=q.device)
@@ -75,18 +76,13 @@ _KERNEL_SIGNATURE = """
 head_dim, group, variant, alibi_abs = int(args[0]), int(args[1]), int(args[2]), args[3] == "True"
 module = importlib.import_module(name + ".flash_attention_kernel.hopper_forward")
 configs = importlib.import_module(name + ".flash_attention_kernel.configs")
-
-def descriptor(rows):
-    shared = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-    return f"tensordesc<bf16[{rows}, {head_dim}],{shared!r}>"
-
-types = dict(q_desc=descriptor(module.QUERY_ROWS), k_desc=descriptor(module.KEY_ROWS),
-             v_desc=descriptor(module.KEY_ROWS), Out="*bf16", Lse="*fp32", Sinks="*fp32", AlibiSlopes="*fp32",
-             RngState="*i64", score_scale="fp32", softcap_log2="fp32", softmax_scale="fp32",
-             dropout_scale="fp32")
-constants = dict(HEAD_DIM=head_dim, KEYS=module.KEY_ROWS, GROUP_SIZE=group,
+types = dict(Out="*bf16", Lse="*fp32", Sinks="*fp32", AlibiSlopes="*fp32", RngState="*i64", score_scale="fp32",
+             softcap_log2="fp32", softmax_scale="fp32", dropout_scale="fp32")
+constants = dict(KEYS=module.KEY_ROWS, GROUP_SIZE=group,
                  STAGES=configs.gluon_config("fwd", head_dim, "none").stages, CALLS_LAYOUT=module.CALLS,
                  VARIANT=variant, ALIBI_ABS=alibi_abs)
+for tensor, rows in (("q", module.QUERY_ROWS), ("k", module.KEY_ROWS), ("v", module.KEY_ROWS)):
+    types.update(chunk_descriptors(tensor, rows, configs.head_dim_chunks(head_dim), constants))
 function = module._forward_kernel
 signature = {n: "constexpr" if n in constants else types.get(n, "i64" if n.startswith("stride_o") else "i32")
              for n in function.arg_names}
@@ -96,7 +92,8 @@ signature = {n: "constexpr" if n in constants else types.get(n, "i64" if n.start
 @pytest.mark.parametrize("head_dim, group, options", [
     (128, 1, dict(causal=True, softcap=30.0)), (64, 2, {}),
     (128, 2, dict(causal=True, window_left=256, alibi=True, dropout_p=0.1, sinks=True)),
-], ids=["causal-softcap", "plain", "window-alibi-dropout-sinks"])
+    (96, 1, dict(causal=True)), (80, 2, dict(window_left=256, alibi=True, dropout_p=0.1, softcap=30.0)),
+], ids=["causal-softcap", "plain", "window-alibi-dropout-sinks", "d96-causal", "d80-everything"])
 def test_compiles_for_hopper(fa, head_dim, group, options):
     """The kernel compiles to an sm_90 cubin under the installed Triton, with no GPU needed."""
     kernels = fa.flash_attention_kernel
@@ -107,6 +104,29 @@ def test_compiles_for_hopper(fa, head_dim, group, options):
     _, constexprs = gluon_module(fa, "hopper_gluon").option_arguments(attention, torch.empty(1))
     variant = constexprs["VARIANT"] | gluon_module(fa, "hopper_forward").forward_bits(attention, BF16)
     assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, head_dim, group, variant, constexprs["ALIBI_ABS"])
+
+
+@pytest.mark.parametrize("head_dim, chunks", [(64, (64,)), (80, (64, 16)), (96, (64, 32)), (128, (128,))])
+def test_tile_arguments_hold_head_dims_in_chunks(fa, head_dim, chunks):
+    """Every kernel's first arguments: each tensor's first-chunk descriptor, then its second-chunk
+    one (None where the head dim is one chunk), then the row geometry; the chunks are the head dim
+    split into powers of two, each descriptor over the whole row matrix (the kernels add the first
+    chunk's width to the second's column)."""
+    kernels = fa.flash_attention_kernel
+    q, k = _bshd(2, 256, 4, BF16, head_dim), _bshd(2, 384, 2, BF16, head_dim)
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    arguments = gluon_module(fa, "hopper_gluon").tile_arguments((q, k, k), layout, (64, 128, 128))
+    descriptors, geometry = arguments[:6], arguments[6:]
+    for i, (x, rows) in enumerate(zip((q, k, k), (64, 128, 128))):
+        first, second = descriptors[i], descriptors[3 + i]
+        assert first.base is x and list(first.block_shape) == [rows, chunks[0]]
+        assert list(first.shape) == [x.shape[0] * x.shape[1], x.shape[2] * head_dim]
+        if len(chunks) == 1:
+            assert second is None
+        else:
+            assert second.base is x and list(second.block_shape) == [rows, chunks[1]]
+            assert list(second.shape) == list(first.shape)
+    assert geometry == [256, 0, head_dim, 384, 0, head_dim, 384, 0, head_dim]
 
 
 def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
@@ -163,6 +183,17 @@ CASES = [
     ("dropout-causal-d64", lambda dt: (_bshd(2, 384, 2, dt, 64), _bshd(2, 256, 2, dt, 64), _bshd(2, 256, 2, dt, 64)),
      dict(causal=True, dropout_p=0.3)),
     ("everything", lambda dt: (_bshd(2, 256, 4, dt) * 2, _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     dict(causal=True, window_size=(170, -1), alibi_slopes="slopes", softcap=8.0, dropout_p=0.17, s_aux="sinks")),
+    # (head dims held as two chunks, 64 + 32 and 64 + 16: hopper_gluon.tile_arguments)
+    ("d96-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 96), _bshd(2, 384, 2, dt, 96), _bshd(2, 384, 2, dt, 96)),
+     dict(causal=True)),
+    ("d80-gqa4-full", lambda dt: (_bshd(1, 384, 8, dt, 80), _bshd(1, 384, 2, dt, 80), _bshd(1, 384, 2, dt, 80)), {}),
+    ("d96-qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt, 96).unflatten(2, (3, 2)).unbind(2), {}),
+    ("d80-bhsd-view-causal", lambda dt: (_bhsd_view(2, 128, 3, dt, 80), _bhsd_view(2, 256, 3, dt, 80),
+                                         _bhsd_view(2, 256, 3, dt, 80)), dict(causal=True)),
+    ("d96-dropout-causal", lambda dt: (_bshd(2, 384, 2, dt, 96), _bshd(2, 256, 2, dt, 96), _bshd(2, 256, 2, dt, 96)),
+     dict(causal=True, dropout_p=0.3)),
+    ("d80-everything", lambda dt: (_bshd(2, 256, 4, dt, 80) * 2, _bshd(2, 384, 2, dt, 80), _bshd(2, 384, 2, dt, 80)),
      dict(causal=True, window_size=(170, -1), alibi_slopes="slopes", softcap=8.0, dropout_p=0.17, s_aux="sinks")),
 ]
 

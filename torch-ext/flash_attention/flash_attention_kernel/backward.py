@@ -23,7 +23,7 @@ the gradients are
   in registers, never by expanding K/V in memory or by atomics.
 * ``_attn_bwd_dq_kernel``: one program per BLOCK_M query rows; it streams key tiles like the
   forward and recomputes P and dP (7 matmuls per tile pair in all instead of 5 with atomics).
-* On Hopper, dense bf16/fp16 calls with full tiles and head dim 64 or 128, with any options,
+* On Hopper, dense bf16/fp16 calls with full tiles and head dim 64, 80, 96 or 128, with any options,
   take ``hopper_dkdv`` and ``hopper_dq`` instead: the same math in Gluon, with a producer warp and
   two consumer warpgroups that run out of step (FlashAttention-3's structure, ``hopper_gluon``).
   ``planner.plan_backward`` makes these choices (delta's source, each pass's kernel and config).

@@ -336,15 +336,18 @@ GLUON_TILES = {"fwd": (128, 128), "bwd_dq": (128, 64), "bwd_dkdv": (64, 128)}
 # 227 KB hold where that helped (docs/design.md#hopper-gluon-kernels): forward Q 2 * 64 * d
 # elements + each stage 2 * 128 * d (d128: 32 + 3 * 64 KB); dQ Q and dO 4 * 64 * d + each stage
 # 2 * 64 * d (5 stages gained nothing at d128); dK/dV K and V 4 * 64 * d + each stage 2 * 64 * d.
+# d80 and d96 (two head-dim chunks, hopper_gluon.tile_arguments) from a sweep of every depth that fits
+# (stop 53, H100, Triton 3.6, N = 4k and 16k): the d80 forward ran 15-20% faster non-causal at 3 than
+# at 4 or 5, d96's dQ 3-5% at 6 than at 5, and both dK/dV kernels best at 2.
 GLUON_STAGES = {
-    ("fwd", 64): 4, ("fwd", 128): 3,
-    ("bwd_dq", 64): 6, ("bwd_dq", 128): 4,
-    ("bwd_dkdv", 64): 4, ("bwd_dkdv", 128): 3,
+    ("fwd", 64): 4, ("fwd", 80): 3, ("fwd", 96): 3, ("fwd", 128): 3,
+    ("bwd_dq", 64): 6, ("bwd_dq", 80): 5, ("bwd_dq", 96): 6, ("bwd_dq", 128): 4,
+    ("bwd_dkdv", 64): 4, ("bwd_dkdv", 80): 2, ("bwd_dkdv", 96): 2, ("bwd_dkdv", 128): 3,
 }
 # Under a window's left edge a dK/dV program visits few query tiles, two of them masked and some
 # released unread, and a deeper ring keeps the producer ahead: +2-7% on the window backward at
 # d128, where the other variants lost 3-5% (docs/design.md#gluon-dkdv)
-GLUON_WINDOW_STAGES = {("bwd_dkdv", 64): 4, ("bwd_dkdv", 128): 4}
+GLUON_WINDOW_STAGES = {("bwd_dkdv", 64): 4, ("bwd_dkdv", 80): 4, ("bwd_dkdv", 96): 4, ("bwd_dkdv", 128): 4}
 
 
 @dataclass(frozen=True)
@@ -429,7 +432,7 @@ def _overridden_config(kernel: str, config_type) -> Optional[Override]:
 
 
 def gluon_config(kernel: str, head_dim: int, mask: str) -> GluonConfig:
-    """The Gluon ``kernel``'s (fwd, bwd_dq, bwd_dkdv) config at ``head_dim`` (64 or 128) for
+    """The Gluon ``kernel``'s (fwd, bwd_dq, bwd_dkdv) config at ``head_dim`` (hopper_route.HEAD_DIMS) for
     ``mask`` (options.AttentionOptions.mask_kind)."""
     override = _overridden_config(kernel, GluonConfig)
     if override is not None:

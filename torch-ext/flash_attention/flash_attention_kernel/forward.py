@@ -24,7 +24,7 @@ tiles outside the band are never visited. A window's kernel runs its full tiles 
 masked ranges in one loop, which saves a pipeline fill and drain per program; other kernels run the
 full range, then the masked one.
 
-On Hopper, dense calls with full tiles (bf16/fp16, head dim 64 or 128, any options) take the
+On Hopper, dense calls with full tiles (bf16/fp16, head dim 64, 80, 96 or 128, any options) take the
 Gluon kernel ``hopper_forward`` instead (``planner.plan_forward``): the same math with warp roles and
 FlashAttention-3's overlap of each tile's softmax with the previous tile's P V product.
 

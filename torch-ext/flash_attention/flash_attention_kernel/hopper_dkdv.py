@@ -31,12 +31,14 @@ everything else takes the tl kernel.
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
-    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, option_arguments,
-    release_unread, make_ring, tile_arguments, tile_logits, tile_logits_grad, tma_load, vector_descriptor,
+    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, chunk_buffers, chunk_bytes,
+    chunks_at, issue_into_chunks, issue_over_chunks, load_chunks, make_ring, operand_layout, option_arguments,
+    release_unread, store_chunks, tile_arguments, tile_logits, tile_logits_grad, tma_load, vector_descriptor,
+    wait_chunk_pairs, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -60,7 +62,7 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     ``config`` (planner.plan_backward); lse and delta are
     (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
     through torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
-    batch, seqlen_k, num_heads_kv, head_dim = k.shape
+    batch, seqlen_k, num_heads_kv, _ = k.shape
     # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
@@ -69,8 +71,7 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
         layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,
-        HEAD_DIM=head_dim, GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages,
-        **constexprs, num_warps=4,
+        GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, num_warps=4,
     )
 
 
@@ -89,42 +90,41 @@ def _query_tiles(first_key, last_key, seqlen_q, band, VARIANT: gl.constexpr):
                       MASK_LEFT_ & VARIANT, MASK_LEFT_ & VARIANT)
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_rows, do_rows, k_row, v_row, stat_row,
+def _producer(q_descs, k_descs, v_descs, do_descs, lse_desc, delta_desc, q_rows, do_rows, k_row, v_row, stat_row,
               q_col, do_col, k_col, v_col, q_head_rows, do_head_rows, q_head_cols, do_head_cols, k_smem, v_smem,
               q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring, m_lo, m_hi, seqlen_q, GROUP_SIZE: gl.constexpr):
     """One warp: K and V once, then the (Q, dO) tiles [m_lo, m_hi) of each query head, with
     their rows' lse and delta, through the ring."""
-    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, 2 * chunk_bytes(*k_descs, *v_descs))
     for w in gl.static_range(2):
-        tma_load(k_desc, [k_row + w * KEYS, k_col], kv_bar, k_smem.index(w))
-        tma_load(v_desc, [v_row + w * KEYS, v_col], kv_bar, v_smem.index(w))
+        load_chunks(k_descs, k_row + w * KEYS, k_col, kv_bar, k_smem, w)
+        load_chunks(v_descs, v_row + w * KEYS, v_col, kv_bar, v_smem, w)
     i = 0
     for g in range(GROUP_SIZE):
         for m in range(m_lo, m_hi, ROWS):
             idx = ring.index(i)
-            arrived = ring.claim(i, q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            arrived = ring.claim(i, chunk_bytes(*q_descs, *do_descs, lse_desc, delta_desc))
             tma_load(lse_desc, [(stat_row + g) * seqlen_q + m], arrived, lse_bufs.index(idx))
             tma_load(delta_desc, [(stat_row + g) * seqlen_q + m], arrived, delta_bufs.index(idx))
-            tma_load(q_desc, [q_rows + g * q_head_rows + m, q_col + g * q_head_cols], arrived, q_bufs.index(idx))
-            tma_load(do_desc, [do_rows + g * do_head_rows + m, do_col + g * do_head_cols], arrived,
-                     do_bufs.index(idx))
+            load_chunks(q_descs, q_rows + g * q_head_rows + m, q_col + g * q_head_cols, arrived, q_bufs, idx)
+            load_chunks(do_descs, do_rows + g * do_head_rows + m, do_col + g * do_head_cols, arrived, do_bufs, idx)
             i += 1
 
 @gluon.jit
 def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m, keys, first_key, band,
                 score, slope_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
                 OPERAND_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-    """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i``. MASKED:
-    the tile crosses a band edge."""
-    dtype: gl.constexpr = q_bufs.dtype
+    """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i`` (K, V, Q,
+    dO, dK and dV in head-dim chunks). MASKED: the tile crosses a band edge."""
+    dtype: gl.constexpr = q_bufs[0].dtype
+    CHUNKS: gl.constexpr = len(q_bufs)  # (wgmmas per product)
     idx = ring.index(i)
     ring.wait_ready(i)
-    q = q_bufs.index(idx)
-    do = do_bufs.index(idx)
+    q = chunks_at(q_bufs, idx)
+    do = chunks_at(do_bufs, idx)
     zero_s = gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT)
-    s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = issue_over_chunks(k, q, zero_s, False)
+    dp = issue_over_chunks(v, do, zero_s, False)
     row_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     queries = m + gl.arange(0, ROWS, row_layout)
     lse_log2 = lse_bufs.index(idx).load(row_layout) * LOG2E_
@@ -133,7 +133,7 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
         rng_state, threshold = dropout
         state = dropout_state(rng_state, threshold, first_key, keys)
         words = dropout_words(state, m, stream, S_LAYOUT)
-    s = warpgroup_mma_wait(1, deps=(s,))
+    s = warpgroup_mma_wait(CHUNKS, deps=(s,))
     x, capped = tile_logits(s, lse_log2[None, :], queries[None, :], keys[:, None], first_key, band, score,
                             slope_log2, MASKED, VARIANT, ALIBI_ABS)
     p = gl.exp2(x)
@@ -144,9 +144,9 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
         dp = dp * dropout_scale
     ds = tile_logits_grad(p * (dp - delta[None, :]), capped, queries[None, :], keys[:, None], band, MASKED,
                           VARIANT)
-    dv = warpgroup_mma(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv, is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk, is_async=True)
-    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    dv = issue_into_chunks(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv)
+    dk = issue_into_chunks(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk)
+    dv, dk = wait_chunk_pairs(0, dv, dk)
     ring.release(i)
     return dk, dv
 
@@ -154,20 +154,18 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
               DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band, score,
               softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, WG: gl.constexpr,
-              HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+              GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over the query tiles [m_lo,
     m_hi) the producer streams, of every query head of the group."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    pds_layout: gl.constexpr = operand_layout(q_bufs[0].shape[2])  # (P^T's and dS^T's, for the first chunks)
     first_key = start_key + WG * KEYS
     keys = first_key + gl.arange(0, KEYS, gl.SliceLayout(1, s_layout))
-    k = k_smem.index(WG)
-    v = v_smem.index(WG)
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+    k = chunks_at(k_smem, WG)
+    v = chunks_at(v_smem, WG)
+    dk = zero_chunks(KEYS, q_bufs)
+    dv = zero_chunks(KEYS, do_bufs)
     # what dropout_state needs: the state itself is formed again for each tile (even the seed,
     # loaded from L1), since held across the loop its registers doubled the causal kernel's
     # spills (docs/design.md#gluon-dkdv)
@@ -188,40 +186,39 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
             for m in range(lo, full_lo, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, operand_layout, True, VARIANT, ALIBI_ABS)
+                                     s_layout, pds_layout, True, VARIANT, ALIBI_ABS)
                 i += 1
         for m in range(full_lo, full_hi, ROWS):
             dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                  keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                 s_layout, operand_layout, False, VARIANT, ALIBI_ABS)
+                                 s_layout, pds_layout, False, VARIANT, ALIBI_ABS)
             i += 1
         if MASK_LEFT_ & VARIANT:
             for m in range(full_hi, hi, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, operand_layout, True, VARIANT, ALIBI_ABS)
+                                     s_layout, pds_layout, True, VARIANT, ALIBI_ABS)
                 i += 1
             i = release_unread(ring, i, hi_end, m_hi, ROWS)
-    rows = (first_key + gl.arange(0, KEYS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
-    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-    dk = dk * softmax_scale
+    dv_scale = 1.0
     if DROPOUT_ & VARIANT:
-        dv = dv * dropout_scale
-    gl.store(DK + dk_base + rows[:, None] * stride_dkn + dims[None, :], dk.to(DK.dtype.element_ty))
-    gl.store(DV + dv_base + rows[:, None] * stride_dvn + dims[None, :], dv.to(DV.dtype.element_ty))
+        dv_scale = dropout_scale
+    store_chunks(DK + dk_base, first_key, stride_dkn, dk, softmax_scale)
+    store_chunks(DV + dv_base, first_key, stride_dvn, dv, dv_scale)
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b,
                  q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                  v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
                  lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
                  AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
-                 HEAD_DIM: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-    """The arguments after num_heads are ``hopper_gluon.option_arguments``', VARIANT and
-    ALIBI_ABS its constexprs."""
+    """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
+    the second head-dim chunk, or None); the arguments after num_heads are
+    ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs."""
     start_key = gl.program_id(0) * (2 * KEYS)
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -231,10 +228,12 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
     # the query tiles any of the program's keys is seen from: the producer streams these
     m_lo, _, _, m_hi = _query_tiles(start_key, start_key + 2 * KEYS - 1, seqlen_q, band, VARIANT)
 
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, KEYS, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, KEYS, HEAD_DIM], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, ROWS, HEAD_DIM], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, ROWS, HEAD_DIM], do_desc.layout)
+    q_descs, do_descs = (q_desc, q_desc_b), (do_desc, do_desc_b)
+    k_descs, v_descs = (k_desc, k_desc_b), (v_desc, v_desc_b)
+    k_smem = chunk_buffers(k_descs, 2)
+    v_smem = chunk_buffers(v_descs, 2)
+    q_bufs = chunk_buffers(q_descs, STAGES)
+    do_bufs = chunk_buffers(do_descs, STAGES)
     lse_bufs = gl.allocate_shared_memory(lse_desc.dtype, [STAGES, ROWS], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(delta_desc.dtype, [STAGES, ROWS], delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -251,12 +250,12 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc,
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
                      score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, FIRST,
-                     HEAD_DIM, GROUP_SIZE, VARIANT, ALIBI_ABS)),
+                     GROUP_SIZE, VARIANT, ALIBI_ABS)),
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
                      score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, SECOND,
-                     HEAD_DIM, GROUP_SIZE, VARIANT, ALIBI_ABS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
+                     GROUP_SIZE, VARIANT, ALIBI_ABS)),
+        (_producer, (q_descs, k_descs, v_descs, do_descs, lse_desc, delta_desc,
                      batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                      batch * k_batch_rows + kv_head * k_head_rows + start_key,
                      batch * v_batch_rows + kv_head * v_head_rows + start_key, first_row,

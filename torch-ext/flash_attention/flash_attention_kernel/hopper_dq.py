@@ -34,13 +34,14 @@ dropout only with causal masking); everything else takes the tl kernel.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from .hopper_dropout import dropout_rows, keep_pairs, row_calls
 from .hopper_gluon import (
-    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, key_tiles, option_arguments,
-    query_program, release_unread, make_ring, round_pairs, stream_key_tiles, tile_arguments, tile_logits,
-    tile_logits_grad, tma_load,
+    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, chunk_buffers, chunk_bytes, chunks_at,
+    issue_into_chunks, issue_over_chunks, key_tiles, load_chunks, make_ring, operand_layout, option_arguments,
+    query_program, release_unread, round_pairs, store_chunks, stream_key_tiles, tile_arguments, tile_logits,
+    tile_logits_grad, wait_chunks, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -61,15 +62,15 @@ def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layou
     (batch, heads, seqlen_q) fp32 (``SequenceLayout.new_row_stats``) with delta already computed.
     The kernel launches directly, not through torch.library.wrap_triton: the route keeps traced
     calls on the tl kernels."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
+    batch, seqlen_q, num_heads, _ = q.shape
     arguments, constexprs = option_arguments(options, q)
     rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)
     launcher(_dq_kernel)[(seqlen_q // config.query_tile, num_heads, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         lse, delta, *layout.stat_strides(delta), dq, *layout.strides(dq),
         layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,
-        HEAD_DIM=head_dim, KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages,
-        CALLS_LAYOUT=CALLS, **constexprs, num_warps=4,
+        KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages, CALLS_LAYOUT=CALLS, **constexprs,
+        num_warps=4,
     )
 
 
@@ -79,38 +80,38 @@ FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
 REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
+def _producer(q_descs, k_descs, v_descs, do_descs, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col,
               q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, keys_lo, keys_hi):
     """One warp: the program's Q and dO once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
-    mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    mbarrier.expect(qdo_bar, 2 * chunk_bytes(*q_descs, *do_descs))
     for w in gl.static_range(2):
-        tma_load(q_desc, [q_row + w * ROWS, q_col], qdo_bar, q_smem.index(w))
-        tma_load(do_desc, [do_row + w * ROWS, do_col], qdo_bar, do_smem.index(w))
-    stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
+        load_chunks(q_descs, q_row + w * ROWS, q_col, qdo_bar, q_smem, w)
+        load_chunks(do_descs, do_row + w * ROWS, do_col, qdo_bar, do_smem, w)
+    stream_key_tiles(k_descs, v_descs, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
 
 @gluon.jit
 def _issue_products(q, do, k_bufs, v_bufs, ring, i, S_LAYOUT: gl.constexpr):
     """Issue S = Q K^T and dP = dO V^T of the key tile in ring buffer ``i`` once it has
-    arrived; returns both products in flight."""
-    KEYS: gl.constexpr = k_bufs.shape[1]
+    arrived (each over the head-dim chunks); returns both products in flight."""
+    KEYS: gl.constexpr = k_bufs[0].shape[1]
     idx = ring.index(i)
     ring.wait_ready(i)
     zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
-    s = warpgroup_mma(q, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do, v_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = issue_over_chunks(q, chunks_at(k_bufs, idx), zero_s, False)
+    dp = issue_over_chunks(do, chunks_at(v_bufs, idx), zero_s, False)
     return s, dp
 
 @gluon.jit
 def _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
                  DTYPE: gl.constexpr, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
-                 CALLS_LAYOUT: gl.constexpr, PENDING: gl.constexpr, MASKED: gl.constexpr,
+                 CALLS_LAYOUT: gl.constexpr, CHUNKS: gl.constexpr, PENDING: gl.constexpr, MASKED: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-    """dS of key tile [n, n + KEYS) from its S and dP products in flight (PENDING younger
-    products may stay in flight), in DTYPE and OPERAND_LAYOUT for the dQ product. MASKED: the
-    tile crosses a band edge."""
+    """dS of key tile [n, n + KEYS) from its S and dP products in flight (CHUNKS wgmmas each,
+    the head-dim chunks; PENDING wgmmas issued after them may stay in flight), in DTYPE and
+    OPERAND_LAYOUT for the dQ product. MASKED: the tile crosses a band edge."""
     if DROPOUT_ & VARIANT:  # (drawn while the products run)
         words = dropout_rows(dropout, first_row, n, S_LAYOUT, CALLS_LAYOUT)
-    s = warpgroup_mma_wait(PENDING + 1, deps=(s,))
+    s = warpgroup_mma_wait(PENDING + CHUNKS, deps=(s,))
     KEYS: gl.constexpr = s.shape[1]
     keys = n + gl.arange(0, KEYS, gl.SliceLayout(0, S_LAYOUT))
     x, capped = tile_logits(s, lse_log2[:, None], rows[:, None], keys[None, :], n, band, score, slope_log2,
@@ -130,14 +131,16 @@ def _key_range(dq, ds, i, start, end, q, do, k_bufs, v_bufs, ring, first_row, ro
     issues this tile's S and dP and the previous tile's dQ += dS K (its dS ``ds``, buffer i -
     1) together and forms this tile's dS while dP and dQ run. Returns (dq, ds, the next
     buffer's count). MASKED: the tiles cross a band edge."""
-    KEYS: gl.constexpr = k_bufs.shape[1]
+    KEYS: gl.constexpr = k_bufs[0].shape[1]
+    CHUNKS: gl.constexpr = len(k_bufs)
     for n in range(start, end, KEYS):
         prev = ring.index(i + ring.STAGES - 1)  # (the previous tile's buffer)
         s, dp = _issue_products(q, do, k_bufs, v_bufs, ring, i, S_LAYOUT)
-        dq = warpgroup_mma(ds, k_bufs.index(prev), dq, is_async=True)
+        dq = issue_into_chunks(ds, chunks_at(k_bufs, prev), dq)
         ds = _score_grads(s, dp, n, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
-                          k_bufs.dtype, S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_ABS)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
+                          k_bufs[0].dtype, S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, CHUNKS, CHUNKS, MASKED, VARIANT,
+                          ALIBI_ABS)
+        dq = wait_chunks(0, dq)
         ring.release(i + ring.STAGES - 1)
         i += 1
     return dq, ds, i
@@ -145,16 +148,14 @@ def _key_range(dq, ds, i, start, end, q, do, k_bufs, v_bufs, ring, first_row, ro
 @gluon.jit
 def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
               stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope, RngState,
-              stream, dropout_threshold, dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-              CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+              stream, dropout_threshold, dropout_scale, WG: gl.constexpr, CALLS_LAYOUT: gl.constexpr,
+              VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """One warpgroup: dQ of query rows [start_m + WG * 64, + 64) over the key tiles [keys_lo,
     keys_hi) the producer streams."""
-    KEYS: gl.constexpr = k_bufs.shape[1]
+    KEYS: gl.constexpr = k_bufs[0].shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ds_layout: gl.constexpr = operand_layout(k_bufs[0].shape[2])  # (dS's, for dQ's first chunk)
     first_row = start_m + WG * ROWS
     rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
     lse_log2 = gl.load(Lse + stat_base + rows) * LOG2E_
@@ -166,9 +167,9 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_b
     slope_log2 = 0.0
     if ALIBI_ & VARIANT:
         slope_log2 = gl.load(slope) * LOG2E_
-    q = q_smem.index(WG)
-    do = do_smem.index(WG)
-    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    q = chunks_at(q_smem, WG)
+    do = chunks_at(do_smem, WG)
+    dq = zero_chunks(ROWS, k_bufs)
     # this warpgroup's key tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the ones
     # before lo and from hi_end on it does not see (streamed for the other warpgroup)
     lo, full_lo, full_hi, hi = key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
@@ -181,50 +182,50 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_b
         # prologue: the first tile's dS, masked whichever range it lies in
         s, dp = _issue_products(q, do, k_bufs, v_bufs, ring, i, s_layout)
         ds = _score_grads(s, dp, lo, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
-                          k_bufs.dtype, s_layout, operand_layout, CALLS_LAYOUT, 0, True, VARIANT, ALIBI_ABS)
+                          k_bufs[0].dtype, s_layout, ds_layout, CALLS_LAYOUT, len(k_bufs), 0, True, VARIANT,
+                          ALIBI_ABS)
         i += 1
         second = lo + KEYS
         tiles = (q, do, k_bufs, v_bufs, ring, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout)
         if MASK_LEFT_ & VARIANT:
-            dq, ds, i = _key_range(dq, ds, i, second, full_lo, *tiles, s_layout, operand_layout, CALLS_LAYOUT,
+            dq, ds, i = _key_range(dq, ds, i, second, full_lo, *tiles, s_layout, ds_layout, CALLS_LAYOUT,
                                    True, VARIANT, ALIBI_ABS)
-        dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_lo, second), full_hi, *tiles, s_layout, operand_layout,
+        dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_lo, second), full_hi, *tiles, s_layout, ds_layout,
                                CALLS_LAYOUT, False, VARIANT, ALIBI_ABS)
         if MASK_RIGHT_ & VARIANT:
-            dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_hi, second), hi, *tiles, s_layout, operand_layout,
+            dq, ds, i = _key_range(dq, ds, i, gl.maximum(full_hi, second), hi, *tiles, s_layout, ds_layout,
                                    CALLS_LAYOUT, True, VARIANT, ALIBI_ABS)
         # epilogue: the last tile's dQ product
-        dq = warpgroup_mma(ds, k_bufs.index(ring.index(i + ring.STAGES - 1)), dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
+        dq = wait_chunks(0, issue_into_chunks(ds, chunks_at(k_bufs, ring.index(i + ring.STAGES - 1)), dq))
         ring.release(i + ring.STAGES - 1)  # (the last tile's buffer)
     if MASK_RIGHT_ & VARIANT:
         release_unread(ring, i, hi_end, keys_hi, KEYS)
-    out_rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
-    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-    dq = dq * softmax_scale
-    gl.store(DQ + dq_base + out_rows[:, None] * stride_dqm + dims[None, :], dq.to(DQ.dtype.element_ty))
+    store_chunks(DQ + dq_base, first_row, stride_dqm, dq, softmax_scale)
 
 @gluon.jit
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc,
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b,
                q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
                Lse, Delta, stride_stat_b, stride_stat_h, DQ, stride_dqb, stride_dqh, stride_dqm, seqlen_k, diag,
                score_scale, softcap_log2, softmax_scale, window_left, window_right,
                AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
-               HEAD_DIM: gl.constexpr, KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+               KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-    """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
-    and ALIBI_ABS its constexprs; CALLS_LAYOUT: ``hopper_dropout.row_calls(KEYS)``, the layout
-    of dropout's Philox calls."""
+    """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
+    the second head-dim chunk, or None); the arguments after seqlen_k and diag are
+    ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs; CALLS_LAYOUT:
+    ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls."""
     band = (diag, window_left, window_right)
     score = (score_scale, softcap_log2)
     start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
         seqlen_k, band, AlibiSlopes, stride_alibi_b, 2 * ROWS, KEYS, GROUP_SIZE, VARIANT)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, ROWS, HEAD_DIM], do_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, HEAD_DIM], v_desc.layout)
+    q_descs, do_descs = (q_desc, q_desc_b), (do_desc, do_desc_b)
+    k_descs, v_descs = (k_desc, k_desc_b), (v_desc, v_desc_b)
+    q_smem = chunk_buffers(q_descs, 2)
+    do_smem = chunk_buffers(do_descs, 2)
+    k_bufs = chunk_buffers(k_descs, STAGES)
+    v_bufs = chunk_buffers(v_descs, STAGES)
     qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(qdo_bar, count=1)
     ring = make_ring(STAGES)
@@ -235,13 +236,13 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc,
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
                      stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
-                     RngState, stream, dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT,
+                     RngState, stream, dropout_threshold, dropout_scale, FIRST, CALLS_LAYOUT,
                      VARIANT, ALIBI_ABS)),
         (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
                      stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
-                     RngState, stream, dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT,
+                     RngState, stream, dropout_threshold, dropout_scale, SECOND, CALLS_LAYOUT,
                      VARIANT, ALIBI_ABS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc,
+        (_producer, (q_descs, k_descs, v_descs, do_descs,
                      batch * q_batch_rows + head * q_head_rows + start_m, head * q_head_cols,
                      batch * do_batch_rows + head * do_head_rows + start_m, head * do_head_cols,
                      batch * k_batch_rows + kv_head * k_head_rows, kv_head * k_head_cols,

@@ -37,13 +37,14 @@ probabilities, takes the tl kernels.
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from .hopper_dropout import dropout_rows, keep_pairs, row_calls
 from .hopper_gluon import (
     ALIBI_, ALIBI_ABOVE, ALIBI_ACROSS, ALIBI_BELOW, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_,
-    forward_logits, key_tiles, option_arguments, query_program, release_unread, make_ring, round_pairs,
-    stream_key_tiles, tile_arguments, tma_load,
+    chunk_buffers, chunk_bytes, chunks_at, forward_logits, issue_into_chunks, issue_over_chunks, key_tiles,
+    load_chunks, make_ring, operand_layout, option_arguments, query_program, release_unread, round_pairs,
+    scale_rows, store_chunks, stream_key_tiles, tile_arguments, wait_chunks, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -70,7 +71,7 @@ def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: Sequ
     """Write out and lse ((batch, heads, seqlen_q) fp32, ``SequenceLayout.new_row_stats``) of a
     call the planner gave this kernel, with its ``config`` (planner.plan_forward). Launched
     directly, not through torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
+    batch, seqlen_q, num_heads, _ = q.shape
     arguments, constexprs = option_arguments(options, q)
     constexprs["VARIANT"] |= forward_bits(options, q.dtype)
     sinks = lse if options.sinks is None else options.sinks
@@ -79,8 +80,8 @@ def attention_forward(q, k, v, out, lse, options: AttentionOptions, layout: Sequ
         *tile_arguments((q, k, v), layout, (rows, keys, keys)),
         out, *layout.strides(out), lse, *layout.stat_strides(lse), sinks,
         layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,
-        HEAD_DIM=head_dim, KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages,
-        CALLS_LAYOUT=CALLS, **constexprs, num_warps=4,
+        KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages, CALLS_LAYOUT=CALLS, **constexprs,
+        num_warps=4,
     )
 
 
@@ -92,22 +93,22 @@ SINKS_, FIXED_PIVOT_, SCORES_AHEAD_ = gl.constexpr(SINKS), gl.constexpr(FIXED_PI
 LN2_ = gl.constexpr(LN2)
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_row, q_col, k_row, k_col, v_row, v_col, q_smem, k_bufs, v_bufs, q_bar,
+def _producer(q_descs, k_descs, v_descs, q_row, q_col, k_row, k_col, v_row, v_col, q_smem, k_bufs, v_bufs, q_bar,
               ring, keys_lo, keys_hi):
     """One warp: the program's Q once, then the (K, V) tiles of keys [keys_lo, keys_hi) through the ring."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    mbarrier.expect(q_bar, 2 * chunk_bytes(*q_descs))
     for w in gl.static_range(2):
-        tma_load(q_desc, [q_row + w * ROWS, q_col], q_bar, q_smem.index(w))
-    stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
+        load_chunks(q_descs, q_row + w * ROWS, q_col, q_bar, q_smem, w)
+    stream_key_tiles(k_descs, v_descs, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
 
 @gluon.jit
 def _issue_scores(q, k_bufs, ring, i, S_LAYOUT: gl.constexpr):
-    """Issue S = Q K^T of the key tile in ring buffer ``i`` once it has arrived; returns the
-    product in flight."""
-    KEYS: gl.constexpr = k_bufs.shape[1]
+    """Issue S = Q K^T of the key tile in ring buffer ``i`` once it has arrived (Q and K in
+    head-dim chunks); returns the product in flight."""
+    KEYS: gl.constexpr = k_bufs[0].shape[1]
     ring.wait_ready(i)
     zero_s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
-    return warpgroup_mma(q, k_bufs.index(ring.index(i)).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return issue_over_chunks(q, chunks_at(k_bufs, ring.index(i)), zero_s, False)
 
 @gluon.jit
 def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_log2, pivot_constant, dropout,
@@ -115,7 +116,7 @@ def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_l
                    CALLS_LAYOUT: gl.constexpr, PENDING: gl.constexpr, MASKED: gl.constexpr,
                    VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
     """(P, alpha, row_max, row_sum) of key tile [n, n + KEYS) from its S product ``s`` in
-    flight (PENDING younger products may stay in flight): dropout's draws while it runs, then
+    flight (PENDING younger wgmmas may stay in flight): dropout's draws while it runs, then
     the online softmax step (module docstring); P is dropout's kept probabilities, in DTYPE
     and OPERAND_LAYOUT for the P V product."""
     draws = 0
@@ -148,9 +149,10 @@ def _probabilities(s, row_max, row_sum, n, first_row, rows, band, score, slope_l
 
 @gluon.jit
 def _rescale(o, alpha, VARIANT: gl.constexpr):
-    """O times each row's alpha = exp2(m - m') (``_probabilities``); nothing with a fixed pivot."""
+    """O (its head-dim chunks) times each row's alpha = exp2(m - m') (``_probabilities``); nothing
+    with a fixed pivot."""
     if not (FIXED_PIVOT_ & VARIANT):
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o.type.layout))[:, None]
+        o = scale_rows(o, alpha)
     return o
 
 @gluon.jit
@@ -167,25 +169,27 @@ def _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ring, i, n, first
       ``i``): issue S of the next tile (buffer i + 1), form this tile's P while it runs, then
       rescale O and issue O += P V; here every wait follows a product issued behind the work it
       is meant to overlap, which ptxas cannot move the wait above (docs/design.md#gluon-forward)."""
+    CHUNKS: gl.constexpr = len(v_bufs)  # (wgmmas per product into O)
     if SCORES_AHEAD_ & VARIANT:
         idx = ring.index(i)
         s_next = _issue_scores(q, k_bufs, ring, i + 1, S_LAYOUT)
         p, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, n, first_row, rows, band, score,
-                                                    slope_log2, pivot_constant, dropout, k_bufs.dtype, S_LAYOUT,
-                                                    OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED, VARIANT, ALIBI_SIDE)
-        o = warpgroup_mma(p, v_bufs.index(idx), _rescale(o, alpha, VARIANT), is_async=True)
-        carried = warpgroup_mma_wait(1, deps=(s_next,))
-        o = warpgroup_mma_wait(0, deps=(o,))
+                                                    slope_log2, pivot_constant, dropout, k_bufs[0].dtype, S_LAYOUT,
+                                                    OPERAND_LAYOUT, CALLS_LAYOUT, CHUNKS, MASKED, VARIANT,
+                                                    ALIBI_SIDE)
+        o = issue_into_chunks(p, chunks_at(v_bufs, idx), _rescale(o, alpha, VARIANT))
+        carried = warpgroup_mma_wait(CHUNKS, deps=(s_next,))
+        o = wait_chunks(0, o)
         ring.release(i)
     else:
         prev = ring.index(i + ring.STAGES - 1)  # (the previous tile's buffer)
         s = _issue_scores(q, k_bufs, ring, i, S_LAYOUT)
-        o = warpgroup_mma(carried, v_bufs.index(prev), o, is_async=True)
+        o = issue_into_chunks(carried, chunks_at(v_bufs, prev), o)
         carried, alpha, row_max, row_sum = _probabilities(s, row_max, row_sum, n, first_row, rows, band, score,
-                                                          slope_log2, pivot_constant, dropout, k_bufs.dtype,
-                                                          S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, 1, MASKED,
+                                                          slope_log2, pivot_constant, dropout, k_bufs[0].dtype,
+                                                          S_LAYOUT, OPERAND_LAYOUT, CALLS_LAYOUT, CHUNKS, MASKED,
                                                           VARIANT, ALIBI_SIDE)
-        o = warpgroup_mma_wait(0, deps=(o,))
+        o = wait_chunks(0, o)
         ring.release(i + ring.STAGES - 1)
         o = _rescale(o, alpha, VARIANT)
     return o, carried, row_max, row_sum
@@ -197,7 +201,7 @@ def _key_range(o, carried, row_max, row_sum, i, start, end, q, k_bufs, v_bufs, r
                VARIANT: gl.constexpr, ALIBI_SIDE: gl.constexpr):
     """``_key_tile`` over the key tiles [start, end), ring buffers i, i + 1, ...; returns (o,
     carried, row_max, row_sum, the next buffer's count)."""
-    KEYS: gl.constexpr = k_bufs.shape[1]
+    KEYS: gl.constexpr = k_bufs[0].shape[1]
     for n in range(start, end, KEYS):
         o, carried, row_max, row_sum = _key_tile(o, carried, row_max, row_sum, q, k_bufs, v_bufs, ring, i, n,
                                                  first_row, rows, band, score, slope_log2, pivot_constant, dropout,
@@ -208,16 +212,14 @@ def _key_range(o, carried, row_max, row_sum, i, start, end, q, k_bufs, v_bufs, r
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse, lse_base, sink,
               start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream, dropout_threshold,
-              dropout_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, CALLS_LAYOUT: gl.constexpr,
-              VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+              dropout_scale, WG: gl.constexpr, CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr,
+              ALIBI_ABS: gl.constexpr):
     """One warpgroup: O and lse of query rows [start_m + WG * 64, + 64) over the key tiles
     [keys_lo, keys_hi) the producer streams."""
-    KEYS: gl.constexpr = k_bufs.shape[1]
+    KEYS: gl.constexpr = k_bufs[0].shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    p_layout: gl.constexpr = operand_layout(v_bufs[0].shape[2])  # (P's, for O's first chunk)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     first_row = start_m + WG * ROWS
     rows = first_row + gl.arange(0, ROWS, row_layout)
@@ -236,8 +238,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
     else:
         row_max = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         row_sum = gl.zeros([ROWS], gl.float32, row_layout)
-    q = q_smem.index(WG)
-    o = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    q = chunks_at(q_smem, WG)
+    o = zero_chunks(ROWS, v_bufs)
     # this warpgroup's key tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the ones
     # before lo and from hi_end on it does not see (streamed for the other warpgroup)
     lo, full_lo, full_hi, hi = key_tiles(first_row, first_row + ROWS - 1, seqlen_k, band, KEYS, VARIANT)
@@ -261,8 +263,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
             step_end = lo + (hi - 1 - lo) // KEYS * KEYS  # (the last tile, whose P the epilogue forms)
         else:
             carried, _, row_max, row_sum = _probabilities(s, row_max, row_sum, lo, first_row, rows, band, score,
-                                                          slope_log2, pivot_constant, dropout, k_bufs.dtype,
-                                                          s_layout, operand_layout, CALLS_LAYOUT, 0, True,
+                                                          slope_log2, pivot_constant, dropout, k_bufs[0].dtype,
+                                                          s_layout, p_layout, CALLS_LAYOUT, 0, True,
                                                           VARIANT, EDGE_SIDE)
             i += 1
             first_step = lo + KEYS
@@ -271,7 +273,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
         if MASK_LEFT_ & VARIANT:
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, first_step,
                                                          gl.minimum(full_lo, step_end), *tiles, s_layout,
-                                                         operand_layout, CALLS_LAYOUT, True, VARIANT,
+                                                         p_layout, CALLS_LAYOUT, True, VARIANT,
                                                          EDGE_SIDE)
         below_end = gl.maximum(full_lo, first_step)
         above_start = below_end
@@ -284,32 +286,31 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i,
                                                          gl.maximum(full_lo, first_step),
                                                          gl.minimum(below_end, step_end), *tiles, s_layout,
-                                                         operand_layout, CALLS_LAYOUT, False, VARIANT,
+                                                         p_layout, CALLS_LAYOUT, False, VARIANT,
                                                          ALIBI_BELOW)
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, below_end,
                                                          gl.minimum(above_start, step_end), *tiles, s_layout,
-                                                         operand_layout, CALLS_LAYOUT, False, VARIANT,
+                                                         p_layout, CALLS_LAYOUT, False, VARIANT,
                                                          ALIBI_ACROSS)
         # (all full tiles without ALIBI_ABS)
         o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i, above_start,
                                                      gl.minimum(full_hi, step_end), *tiles, s_layout,
-                                                     operand_layout, CALLS_LAYOUT, False, VARIANT,
+                                                     p_layout, CALLS_LAYOUT, False, VARIANT,
                                                      FULL_SIDE)
         if MASK_RIGHT_ & VARIANT:
             o, carried, row_max, row_sum, i = _key_range(o, carried, row_max, row_sum, i,
                                                          gl.maximum(full_hi, first_step), step_end, *tiles,
-                                                         s_layout, operand_layout, CALLS_LAYOUT, True,
+                                                         s_layout, p_layout, CALLS_LAYOUT, True,
                                                          VARIANT, EDGE_SIDE)
         # epilogue: the last tile's P V (SCORES_AHEAD: its P first)
         if SCORES_AHEAD_ & VARIANT:
             carried, alpha, row_max, row_sum = _probabilities(carried, row_max, row_sum, step_end, first_row, rows,
                                                               band, score, slope_log2, pivot_constant, dropout,
-                                                              k_bufs.dtype, s_layout, operand_layout,
+                                                              k_bufs[0].dtype, s_layout, p_layout,
                                                               CALLS_LAYOUT, 0, True, VARIANT, EDGE_SIDE)
             o = _rescale(o, alpha, VARIANT)
             i += 1
-        o = warpgroup_mma(carried, v_bufs.index(ring.index(i + ring.STAGES - 1)), o, is_async=True)
-        o = warpgroup_mma_wait(0, deps=(o,))
+        o = wait_chunks(0, issue_into_chunks(carried, chunks_at(v_bufs, ring.index(i + ring.STAGES - 1)), o))
         ring.release(i + ring.STAGES - 1)  # (the last tile's buffer)
     if MASK_RIGHT_ & VARIANT:
         release_unread(ring, i, hi_end, keys_hi, KEYS)
@@ -320,31 +321,31 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
         inv_sum = inv_sum * dropout_scale
     lse = gl.where(empty_row, float("inf"), (row_max + gl.log2(gl.where(empty_row, 1.0, row_sum))) * LN2_)
     gl.store(Lse + lse_base + rows, lse)
-    out_rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, acc_layout))).to(gl.int64)
-    dims = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-    o = o * gl.convert_layout(inv_sum, gl.SliceLayout(1, acc_layout))[:, None]
-    gl.store(Out + out_base + out_rows[:, None] * stride_om + dims[None, :], o.to(Out.dtype.element_ty))
+    store_chunks(Out + out_base, first_row, stride_om, scale_rows(o, inv_sum), 1.0)
 
 @gluon.jit
-def _forward_kernel(q_desc, k_desc, v_desc,
+def _forward_kernel(q_desc, k_desc, v_desc, q_desc_b, k_desc_b, v_desc_b,
                     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                     v_batch_rows, v_head_rows, v_head_cols,
                     Out, stride_ob, stride_oh, stride_om, Lse, stride_lse_b, stride_lse_h, Sinks, seqlen_k, diag,
                     score_scale, softcap_log2, softmax_scale, window_left, window_right,
                     AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
-                    HEAD_DIM: gl.constexpr, KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                    KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                     CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-    """The arguments after seqlen_k and diag are ``hopper_gluon.option_arguments``', VARIANT
-    and ALIBI_ABS its constexprs (VARIANT plus SINKS and FIXED_PIVOT); CALLS_LAYOUT:
-    ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls."""
+    """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
+    the second head-dim chunk, or None); the arguments after seqlen_k and diag are
+    ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs (VARIANT plus SINKS
+    and FIXED_PIVOT); CALLS_LAYOUT: ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's
+    Philox calls."""
     band = (diag, window_left, window_right)
     score = (score_scale, softcap_log2)
     start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
         seqlen_k, band, AlibiSlopes, stride_alibi_b, 2 * ROWS, KEYS, GROUP_SIZE, VARIANT)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, HEAD_DIM], v_desc.layout)
+    q_descs, k_descs, v_descs = (q_desc, q_desc_b), (k_desc, k_desc_b), (v_desc, v_desc_b)
+    q_smem = chunk_buffers(q_descs, 2)
+    k_bufs = chunk_buffers(k_descs, STAGES)
+    v_bufs = chunk_buffers(v_descs, STAGES)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     ring = make_ring(STAGES)
@@ -356,13 +357,13 @@ def _forward_kernel(q_desc, k_desc, v_desc,
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse, lse_base, sink,
                      start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream,
-                     dropout_threshold, dropout_scale, FIRST, HEAD_DIM, CALLS_LAYOUT, VARIANT,
+                     dropout_threshold, dropout_scale, FIRST, CALLS_LAYOUT, VARIANT,
                      ALIBI_ABS)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse, lse_base, sink,
                      start_m, keys_lo, keys_hi, seqlen_k, band, score, slope, RngState, stream,
-                     dropout_threshold, dropout_scale, SECOND, HEAD_DIM, CALLS_LAYOUT, VARIANT,
+                     dropout_threshold, dropout_scale, SECOND, CALLS_LAYOUT, VARIANT,
                      ALIBI_ABS)),
-        (_producer, (q_desc, k_desc, v_desc,
+        (_producer, (q_descs, k_descs, v_descs,
                      batch * q_batch_rows + head * q_head_rows + start_m, head * q_head_cols,
                      batch * k_batch_rows + kv_head * k_head_rows, kv_head * k_head_cols,
                      batch * v_batch_rows + kv_head * v_head_rows, kv_head * v_head_cols,

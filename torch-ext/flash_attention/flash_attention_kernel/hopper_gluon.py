@@ -8,9 +8,20 @@ of shared-memory buffers, two consumer warpgroups of 64 rows each read the ring 
 that one's per-score work (exp2, the softcap's tanh, the mask, dropout's draws) runs while the
 other's tensor-core products do. They run on sm_90 only, on dense bf16/fp16 calls whose tensors
 split into TMA rows (``launch.RowGeometry``) in full tiles (a ragged tile would read the next
-slice's rows), with head dim 64 or 128; every option (causal, window, softcap, ALiBi, sinks,
-dropout) runs in them. Everything else (varlen, paged caches, ragged tiles, other head dims,
-fp32, calls traced by torch.compile) takes the tl kernels.
+slice's rows), with head dim 64, 80, 96 or 128; every option (causal, window, softcap, ALiBi,
+sinks, dropout) runs in them. Everything else (varlen, paged caches, ragged tiles, other head
+dims, fp32, calls traced by torch.compile) takes the tl kernels.
+
+Head dims in chunks: Gluon's tensors are powers of two, so a head dim of 80 or 96 is held as two
+blocks, 64 + 16 or 64 + 32 (the tl kernels' split, ``configs.head_dim_chunks``), each with its own
+TMA descriptor (``tile_arguments``: the second at the first's width to the right) and shared
+buffer (``chunk_buffers``). A product over the head dim (S = Q K^T, dP = dO V^T) is one wgmma per
+chunk accumulating into one result (``issue_over_chunks``), a product into it (O += P V, dQ +=
+dS K, dK, dV) one accumulator per chunk (``issue_into_chunks``); the kernels carry such tiles and
+accumulators as tuples of one or two and count the wgmmas in flight as products times chunks.
+Padding 96 to 128 instead would spend a quarter of every product on zeros
+(docs/design.md#other-head-dims). At 64 and 128 the kernels compile as before: the PTX of each
+checked kernel holds the same instructions, only the epilogue's stores in another order.
 
 A ring is one ``Ring`` (a Gluon aggregate, as Triton's own Gluon attention example holds its
 channels): its "ready" and "empty" mbarriers, its depth, and the only place that turns a tile's
@@ -39,10 +50,11 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate  # (gluon.aggregate from Triton 3.9 on: the same)
 
+from .configs import head_dim_chunks
 from .direct_launch import with_launch_facts
 from .hopper_route import KERNEL_BITS
 from .launch import RowGeometry, SequenceLayout, remembered
@@ -53,9 +65,12 @@ CONSUMER_REGISTERS = 240  # per thread of each consumer warpgroup (setmaxnreg); 
 
 
 def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
-    """The kernels' first arguments: a TMA descriptor for each of ``tensors`` (q, k, v, dout) with
-    blocks of ``rows[i]`` rows of the head dim, over the tensor seen as a matrix of rows
-    (``launch.RowGeometry``), then each tensor's (batch_rows, head_rows, head_cols).
+    """The kernels' first arguments: TMA descriptors of each of ``tensors`` (q, k, v, dout) with
+    blocks of ``rows[i]`` rows of one head-dim chunk, over the tensor seen as a matrix of rows
+    (``launch.RowGeometry``): the first chunk's descriptor of each tensor, then the second chunk's
+    (None for each where the head dim is one chunk), then each tensor's (batch_rows, head_rows,
+    head_cols). The chunks are ``configs.head_dim_chunks``', the tl kernels' split: Gluon's
+    tensors are powers of two, so 80 and 96 are held as 64 + 16 and 64 + 32 (module docstring).
 
     Everything but the tensors' addresses follows from their shapes, strides, dtypes and
     alignment, so it is built and checked once per such signature (``_TILE_TEMPLATES``) and each
@@ -63,7 +78,8 @@ def tile_arguments(tensors, layout: SequenceLayout, rows) -> list:
     costs more host time than launching the kernel."""
     key = (rows, layout.is_varlen, *[(x.shape, x.stride(), x.dtype, x.data_ptr() % 16) for x in tensors])
     descriptors, geometry = remembered(_TILE_TEMPLATES, key, lambda: _tile_template(tensors, layout, rows))
-    return [*map(_rebased, descriptors, tensors), *geometry]
+    tensors = (*tensors, *tensors)  # (the first chunks' descriptors, then the second ones')
+    return [*[d and _rebased(d, x) for d, x in zip(descriptors, tensors)], *geometry]
 
 
 _TILE_TEMPLATES: dict = {}  # (bounded by launch.remembered)
@@ -71,11 +87,11 @@ _TILE_TEMPLATES: dict = {}  # (bounded by launch.remembered)
 
 def _tile_template(tensors, layout: SequenceLayout, rows) -> tuple:
     """(descriptors, geometry values) of ``tile_arguments``, built and checked on these tensors."""
-    head_dim = tensors[0].shape[-1]
     geometry = [RowGeometry.of(x, layout) for x in tensors]
     descriptors = [
-        with_launch_facts(TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [block_rows, head_dim],
-                                           _shared_layout(block_rows, head_dim, x.dtype)))
+        with_launch_facts(TensorDescriptor(x, [g.num_rows, g.stride_row], [g.stride_row, 1], [block_rows, width],
+                                           _shared_layout(block_rows, width, x.dtype))) if width else None
+        for width in head_dim_chunks(tensors[0].shape[-1])
         for x, g, block_rows in zip(tensors, geometry, rows)
     ]
     return descriptors, tuple(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))
@@ -105,11 +121,11 @@ def _rebased(template: TensorDescriptor, tensor: torch.Tensor) -> TensorDescript
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
-    """The shared-memory layout of a (block_rows, head_dim) tile of a 2-byte ``dtype``, built once
+def _shared_layout(block_rows: int, width: int, dtype: torch.dtype):
+    """The shared-memory layout of a (block_rows, width) block of a 2-byte ``dtype``, built once
     (a Gluon layout costs more host time to build than a launch)."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], element)
+    return gl.NVMMASharedLayout.get_default_for([block_rows, width], element)
 
 
 def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple:
@@ -193,6 +209,151 @@ def make_ring(STAGES: gl.constexpr):
         mbarrier.init(empty.index(s), count=2)
     return Ring(ready, empty, STAGES)
 
+@gluon.constexpr_function
+def accumulator_layout(width):
+    """The register layout of a warpgroup's wgmma accumulator of 64 rows by ``width`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 16])
+
+
+@gluon.constexpr_function
+def operand_layout(width):
+    """The register layout of a wgmma's left operand (P, dS) whose accumulator is ``width`` wide."""
+    return gl.DotOperandLayout(operand_index=0, parent=accumulator_layout(width), k_width=2)
+
+
+# Head-dim chunks (module docstring): tiles, accumulators and descriptor pairs as tuples of one or
+# two; each async wgmma is a group of its own, and groups finish in order, so a wait that leaves
+# n younger products in flight leaves n * len(chunks) wgmmas.
+
+@gluon.jit
+def chunk_buffers(descs, depth: gl.constexpr):
+    """Shared memory for ``depth`` tiles of a tensor whose chunks' descriptors are ``descs`` (the
+    second None where the head dim is one chunk): (a,) or (a, b), each [depth, *its block]."""
+    a = gl.allocate_shared_memory(descs[0].dtype, [depth] + descs[0].block_type.shape, descs[0].layout)
+    if descs[1] is None:
+        buffers = (a,)
+    else:
+        b = gl.allocate_shared_memory(descs[1].dtype, [depth] + descs[1].block_type.shape, descs[1].layout)
+        buffers = (a, b)
+    return buffers
+
+
+@gluon.constexpr_function
+def chunk_bytes(*descs):
+    """The bytes one tile's TMA loads bring over its chunks' descriptors (``chunk_bytes(*descs)``:
+    a constexpr function, since Triton 3.6's jit functions return ints as tensors, and given the
+    descriptors one by one, since 3.6 cannot pass it a tuple holding None)."""
+    return sum(desc.block_type.nbytes for desc in descs if desc is not None)
+
+
+@gluon.jit
+def load_chunks(descs, row, col, barrier, buffers, index):
+    """Load the tile at (``row``, ``col``) of the row matrix into ``buffers``' block ``index``, one
+    TMA load per chunk's descriptor in ``descs`` (the second at the first's width to the right),
+    completing on ``barrier``."""
+    tma_load(descs[0], [row, col], barrier, buffers[0].index(index))
+    if descs[1] is not None:
+        tma_load(descs[1], [row, col + descs[0].block_type.shape[1]], barrier, buffers[1].index(index))
+
+
+@gluon.jit
+def chunks_at(buffers, index):
+    """Block ``index`` of each chunk's buffer."""
+    if len(buffers) == 1:
+        blocks = (buffers[0].index(index),)
+    else:
+        blocks = (buffers[0].index(index), buffers[1].index(index))
+    return blocks
+
+
+@gluon.jit
+def issue_over_chunks(a, b, acc, use_acc):
+    """Issue ``acc`` (+)= a b^T summed over the head dim: one async wgmma per chunk of the
+    shared-memory tiles ``a`` and ``b``, the second accumulating onto the first; returns the
+    product in flight (a wait for it must leave only younger wgmmas pending)."""
+    acc = warpgroup_mma(a[0], b[0].permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+    if len(a) > 1:
+        acc = warpgroup_mma(a[1], b[1].permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def issue_into_chunks(a, b, accs):
+    """Issue accs[c] += a b[c] for each head-dim chunk c: ``a`` a register operand in the first
+    chunk's ``operand_layout``, ``b`` shared-memory tiles; returns the products in flight."""
+    first = warpgroup_mma(a, b[0], accs[0], is_async=True)
+    if len(b) == 1:
+        products = (first,)
+    else:
+        # (the operand layout does not depend on the accumulator's width: the conversion moves nothing)
+        second = warpgroup_mma(gl.convert_layout(a, operand_layout(b[1].shape[1])), b[1], accs[1], is_async=True)
+        products = (first, second)
+    return products
+
+
+@gluon.jit
+def wait_chunks(pending: gl.constexpr, accs):
+    """``accs`` (one product per chunk) once at most ``pending`` younger wgmmas are in flight, as a tuple."""
+    done = warpgroup_mma_wait(pending, deps=accs)
+    if len(accs) == 1:
+        done = (done,)
+    return done
+
+
+@gluon.jit
+def wait_chunk_pairs(pending: gl.constexpr, first, second):
+    """``wait_chunks`` for two products at once (``first`` issued before ``second``): (first, second)."""
+    if len(first) == 1:
+        a, b = warpgroup_mma_wait(pending, deps=(first[0], second[0]))
+        done = ((a,), (b,))
+    else:
+        a, a2, b, b2 = warpgroup_mma_wait(pending, deps=(first[0], first[1], second[0], second[1]))
+        done = ((a, a2), (b, b2))
+    return done
+
+
+@gluon.jit
+def zero_chunks(rows: gl.constexpr, buffers):
+    """Zero accumulators of ``rows`` rows, one per chunk of ``buffers`` (as wide as its blocks)."""
+    WIDTH: gl.constexpr = buffers[0].shape[2]
+    first = gl.zeros([rows, WIDTH], gl.float32, accumulator_layout(WIDTH))
+    if len(buffers) == 1:
+        accs = (first,)
+    else:
+        WIDTH_B: gl.constexpr = buffers[1].shape[2]
+        accs = (first, gl.zeros([rows, WIDTH_B], gl.float32, accumulator_layout(WIDTH_B)))
+    return accs
+
+
+@gluon.jit
+def scale_rows(accs, factor):
+    """Each chunk's accumulator times ``factor`` per row (in any layout: converted to each chunk's rows)."""
+    first = accs[0] * gl.convert_layout(factor, gl.SliceLayout(1, accs[0].type.layout))[:, None]
+    if len(accs) == 1:
+        scaled = (first,)
+    else:
+        scaled = (first, accs[1] * gl.convert_layout(factor, gl.SliceLayout(1, accs[1].type.layout))[:, None])
+    return scaled
+
+
+@gluon.jit
+def store_chunks(base, first_row, stride_row, accs, scale):
+    """Store rows first_row.. of the chunks' accumulators ``accs`` times ``scale`` at ``base`` +
+    row * ``stride_row`` + column, each chunk at its columns of the head dim, in ``base``'s dtype."""
+    WIDTH: gl.constexpr = accs[0].shape[1]
+    _store_block(base, first_row, stride_row, 0, accs[0] * scale)
+    if len(accs) > 1:
+        _store_block(base, first_row, stride_row, WIDTH, accs[1] * scale)
+
+
+@gluon.jit
+def _store_block(base, first_row, stride_row, first_col, block):
+    ROWS: gl.constexpr = block.shape[0]
+    WIDTH: gl.constexpr = block.shape[1]
+    rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, block.type.layout))).to(gl.int64)
+    cols = first_col + gl.arange(0, WIDTH, gl.SliceLayout(0, block.type.layout))
+    gl.store(base + rows[:, None] * stride_row + cols[None, :], block.to(base.dtype.element_ty))
+
 @gluon.jit
 def round_pairs(x, dtype: gl.constexpr):
     """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16) two neighbouring elements per cvt, as
@@ -240,15 +401,15 @@ def query_program(seqlen_k, band, AlibiSlopes, stride_alibi_b, ROWS: gl.constexp
     return start_m, head, batch, head // GROUP_SIZE, keys_lo, keys_hi, stream, slope
 
 @gluon.jit
-def stream_key_tiles(k_desc, v_desc, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi):
+def stream_key_tiles(k_descs, v_descs, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi):
     """The producer warp's loop of the forward and dQ kernels: the (K, V) tiles of keys
-    [keys_lo, keys_hi) by TMA through the ``ring`` (buffers ``k_bufs``, ``v_bufs``)."""
-    KEYS: gl.constexpr = k_bufs.shape[1]
+    [keys_lo, keys_hi) by TMA through the ``ring`` (chunk buffers ``k_bufs``, ``v_bufs``)."""
+    KEYS: gl.constexpr = k_bufs[0].shape[1]
     i = 0
     for n in range(keys_lo, keys_hi, KEYS):
-        arrived = ring.claim(i, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [k_row + n, k_col], arrived, k_bufs.index(ring.index(i)))
-        tma_load(v_desc, [v_row + n, v_col], arrived, v_bufs.index(ring.index(i)))
+        arrived = ring.claim(i, chunk_bytes(*k_descs, *v_descs))
+        load_chunks(k_descs, k_row + n, k_col, arrived, k_bufs, ring.index(i))
+        load_chunks(v_descs, v_row + n, v_col, arrived, v_bufs, ring.index(i))
         i += 1
 
 @gluon.jit

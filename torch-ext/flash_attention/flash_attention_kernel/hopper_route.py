@@ -33,7 +33,9 @@ from .options import ALIBI, DROPOUT, MASK_LEFT, MASK_RIGHT, SINKS, SOFTCAP, Atte
 # Triton releases under which the Gluon kernels were checked on a GPU: the suite (3.6, 3.9), their
 # own test files (3.7, 3.8) (docs/design.md#constants)
 CHECKED_VERSIONS = ("3.6.", "3.7.", "3.8.", "3.9.")
-HEAD_DIMS = (64, 128)
+# Head dims the kernels hold: one chunk (64, 128) or two (80 = 64 + 16, 96 = 64 + 32,
+# hopper_gluon.tile_arguments); other widths would need padding or other chunks
+HEAD_DIMS = (64, 80, 96, 128)
 
 # The VARIANT bits the Gluon kernels read; sinks reach them through the lse
 KERNEL_BITS = MASK_LEFT | MASK_RIGHT | SOFTCAP | ALIBI | DROPOUT
@@ -46,7 +48,7 @@ KERNELS = {"fwd": ("hopper_forward", "attention_forward"), "bwd_dq": ("hopper_dq
 # The shortest calls the default route gives each Gluon kernel (``long_enough``; the H100 sweeps
 # behind them: docs/design.md#hopper-gluon-kernels, "Short calls"). Forward: the mean number of keys
 # a query row sees, per head dim. Backward (both passes): seqlen_k.
-FORWARD_MIN_KEYS = {64: 2048, 128: 256}
+FORWARD_MIN_KEYS = {64: 2048, 80: 256, 96: 256, 128: 256}
 BACKWARD_MIN_SEQLEN_K = 256
 
 _loaded = {}  # module name -> the imported module, or None where its import failed
@@ -116,7 +118,7 @@ def fits(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpr
          allowed_options: int = ALL_OPTIONS) -> bool:
     """Whether the Gluon kernel of pass ``kernel``, whose programs cover GLUON_TILES[kernel]
     (query rows, keys), can run this call, with options among ``allowed_options`` (VARIANT bits):
-    sm_90, dense bf16 or fp16, head dim 64 or 128, full tiles, tensors TMA can read as rows
+    sm_90, dense bf16 or fp16, a head dim in HEAD_DIMS, full tiles, tensors TMA can read as rows
     (``launch.RowGeometry``), compiled (not interpreted, not traced by torch.compile: the graph
     keeps the tl kernels). ``tensors``: q, k, v (and dout for the backward)."""
     if interpreted or any(is_fake(x) for x in tensors):

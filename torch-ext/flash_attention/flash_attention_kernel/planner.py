@@ -6,7 +6,7 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
 (hopper_forward, hopper_dq, hopper_dkdv):
 
 * Gluon where ``hopper_route.chosen`` says so (sm_90, a checked Triton, a dense bf16/fp16 call in
-  full tiles at head dim 64 or 128, long enough to repay the kernel, FLASH_ATTENTION_GLUON), with
+  full tiles at head dim 64, 80, 96 or 128, long enough to repay the kernel, FLASH_ATTENTION_GLUON), with
   ``configs.gluon_config`` (the kernel's fixed program tiles and its ring depth per head dim and
   mask).
 * tl otherwise, with ``launch.tl_launch`` (the config table's entry, warp-specialised or plain,
@@ -167,7 +167,7 @@ def _pass_plan(kernel: str, options: AttentionOptions, layout: SequenceLayout, i
     if forced == "gluon":
         if not hopper_route.fits(kernel, options, layout, interpreted, tensors):
             raise ValueError(f"flash_attention: the {kernel} override forces the Gluon kernel, which cannot run this "
-                             f"call (hopper_route.fits: sm_90, dense bf16/fp16, head dim 64/128, full tiles)")
+                             f"call (hopper_route.fits: sm_90, dense bf16/fp16, head dim 64/80/96/128, full tiles)")
         gluon = hopper_route.launcher(kernel)
         if gluon is None:
             raise ValueError(f"flash_attention: the {kernel} override forces the Gluon kernel, which does not build "
