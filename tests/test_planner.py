@@ -20,8 +20,10 @@ from sizes import BF16
 FP16, FP32 = torch.float16, torch.float32
 
 GLUON_STAGES = {("fwd", 64): 4, ("fwd", 128): 3, ("bwd_dq", 64): 6, ("bwd_dq", 128): 4,
-                ("bwd_dkdv", 64): 4, ("bwd_dkdv", 128): 3}  # (the modules' STAGES before the planner)
-GLUON_WINDOW_STAGES = {64: 4, 128: 4}  # (hopper_dkdv.WINDOW_STAGES)
+                ("bwd_dkdv", 64): 4, ("bwd_dkdv", 128): 3,  # (the modules' STAGES before the planner)
+                ("fwd", 80): 3, ("fwd", 96): 3, ("bwd_dq", 80): 5, ("bwd_dq", 96): 6,
+                ("bwd_dkdv", 80): 2, ("bwd_dkdv", 96): 2}  # (two head-dim chunks: stop 53's sweep)
+GLUON_WINDOW_STAGES = {64: 4, 80: 4, 96: 4, 128: 4}  # (hopper_dkdv.WINDOW_STAGES)
 OPTIONS = [dict(), dict(causal=True), dict(window_left=5, window_right=3), dict(softcap=20.0),
            dict(dropout_p=0.1), dict(causal=True, dropout_p=0.1), dict(sinks=True)]
 
@@ -106,7 +108,7 @@ def gluon_fits(kernels, monkeypatch):
     return stand_ins
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
     """Where the Gluon kernels fit: each pass runs its Gluon kernel, with its program tiles and the
     ring depth the modules held; dQ stays on the tl kernel for dropout without causal masking;
@@ -231,7 +233,7 @@ def test_planner_launchers_launch_what_it_plans(kernels, gluon_fits, monkeypatch
                         "bwd_dkdv": kernels.configs.GluonConfig(64, 128, 4)}
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("window", [(-1, -1), (128, 0)])
 def test_gluon_launchers_take_their_config(kernels, head_dim, window):
     """The Gluon launch functions build their grid, TMA blocks and ring depth from the planner's
@@ -253,7 +255,8 @@ def test_gluon_launchers_take_their_config(kernels, head_dim, window):
 
         def __getitem__(self, grid):
             def launch(*args, **constexprs):
-                launches[self.kernel] = (grid, [list(getattr(a, "block_shape", [])) for a in args[:4]],
+                tiles = args[:6] if self.kernel == "fwd" else args[:8]  # (each tensor's chunks' descriptors)
+                launches[self.kernel] = (grid, [list(getattr(a, "block_shape", [])) for a in tiles],
                                          constexprs.get("KEYS"), constexprs["STAGES"])
                 scales[self.kernel] = [a for a in args if isinstance(a, float)]
             return launch
@@ -277,11 +280,15 @@ def test_gluon_launchers_take_their_config(kernels, head_dim, window):
         for kernel, module in module_objects.items():
             setattr(module, names[kernel], saved[kernel])
     d, programs = head_dim, seqlen // 128
+    first, second = kernels.configs.head_dim_chunks(d)  # (96: 64 + 32; a second chunk of 0: None)
     window_dkdv = 4 if window[0] >= 0 else GLUON_STAGES["bwd_dkdv", d]
-    assert launches["fwd"] == ((programs, heads, batch), [[64, d], [128, d], [128, d], []], 128,
-                               GLUON_STAGES["fwd", d])
-    assert launches["bwd_dq"] == ((programs, heads, batch), [[64, d]] * 4, 64, GLUON_STAGES["bwd_dq", d])
-    assert launches["bwd_dkdv"] == ((programs, heads_kv, batch), [[64, d]] * 4, None, window_dkdv)
+    second_fwd = [[64, second], [128, second], [128, second]] if second else [[], [], []]
+    assert launches["fwd"] == ((programs, heads, batch), [[64, first], [128, first], [128, first], *second_fwd],
+                               128, GLUON_STAGES["fwd", d])
+    second_bwd = [[64, second] if second else []] * 4
+    assert launches["bwd_dq"] == ((programs, heads, batch), [[64, first]] * 4 + second_bwd, 64,
+                                  GLUON_STAGES["bwd_dq", d])
+    assert launches["bwd_dkdv"] == ((programs, heads_kv, batch), [[64, first]] * 4 + second_bwd, None, window_dkdv)
     # the logits' units of these 2-byte kernels: q.k * softmax_scale * log2(e) (an fp32 stand-in for
     # the options' pointers once gave kernel_args' natural fp32 units: every Gluon result wrong on an H100)
     for kernel in names:

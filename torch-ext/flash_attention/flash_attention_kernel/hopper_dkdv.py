@@ -26,6 +26,9 @@ Math and conventions are the tl kernel's (the lse includes a sink's term, rows w
 P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
 ``hopper_route.chosen`` decides where it runs (full tiles here are 64 query rows and 128 keys);
 everything else takes the tl kernel.
+
+At head dims 80 and 96 every tile and accumulator over the head dim is two chunks (64 + 16, 64 +
+32) and each such product one wgmma per chunk (``hopper_gluon``'s module docstring).
 """
 
 import torch

@@ -30,6 +30,9 @@ Math and conventions are the tl kernel's (the lse includes a sink's term, rows w
 P = 0, dQ is scaled by softmax_scale at the end), and delta comes from the preprocess kernel.
 ``hopper_route.chosen`` decides where it runs (full tiles here are 128 query rows and 64 keys;
 dropout only with causal masking); everything else takes the tl kernel.
+
+At head dims 80 and 96 every tile and accumulator over the head dim is two chunks (64 + 16, 64 +
+32) and each such product one wgmma per chunk (``hopper_gluon``'s module docstring).
 """
 
 from triton.experimental import gluon

@@ -32,6 +32,9 @@ tiles at the band's lower edge, full tiles, masked tiles at its upper edge, and 
 the tiles only the other warpgroup sees. ``hopper_route.chosen`` decides where it runs (full
 tiles of 128 query rows and KEYS keys); everything else, and ``return_attn_probs``' tile of
 probabilities, takes the tl kernels.
+
+At head dims 80 and 96 every tile and accumulator over the head dim is two chunks (64 + 16, 64 +
+32) and each such product one wgmma per chunk (``hopper_gluon``'s module docstring).
 """
 
 import torch

@@ -20,8 +20,9 @@ chunk accumulating into one result (``issue_over_chunks``), a product into it (O
 dS K, dK, dV) one accumulator per chunk (``issue_into_chunks``); the kernels carry such tiles and
 accumulators as tuples of one or two and count the wgmmas in flight as products times chunks.
 Padding 96 to 128 instead would spend a quarter of every product on zeros
-(docs/design.md#other-head-dims). At 64 and 128 the kernels compile as before: the PTX of each
-checked kernel holds the same instructions, only the epilogue's stores in another order.
+(docs/design.md#hopper-gluon-kernels, "Other head dims"). At 64 and 128 the kernels compile as
+before: the PTX of each checked kernel holds the same instructions, only the epilogue's stores in
+another order.
 
 A ring is one ``Ring`` (a Gluon aggregate, as Triton's own Gluon attention example holds its
 channels): its "ready" and "empty" mbarriers, its depth, and the only place that turns a tile's
