@@ -1,17 +1,17 @@
 """The forward's Gluon kernel for Hopper (flash_attention_kernel/hopper_forward.py).
 
 On a Hopper GPU under a checked Triton, dense forward calls whose seqlen_q and seqlen_k are
-multiples of 128, with head dim 64, 80, 96 or 128, bf16/fp16 and any options take it instead of the tl
-kernel. The cases cross what the kernel handles itself: its software pipeline (the first tile's
-P formed before the loop, the last tile's P V after it, whichever range they lie in), causal rows
+multiples of 128, with head dim 64, 80, 96 or 128, bf16/fp16 and any options take it instead of the
+tl kernel. The cases cross what the kernel handles itself: its software pipeline (the first tile's P
+formed before the loop, the last tile's P V after it, whichever range they lie in), causal rows
 aligned bottom-right (rows that see no key end with lse +inf, or the sink), GQA groups, heads side
 by side or one under another in the TMA matrix view, packed qkv, window bounds that cut tiles
 anywhere, ALiBi on one side of the diagonal and on both, a softcap with the fixed pivot (bf16,
-softcap <= 52) and with the running max (fp16, or a larger softcap), sinks, and dropout, whose
-keep mask must be the one the tl kernels draw (``return_attn_probs``' S_dmask), bit for bit. Each
-meets the float64 bar, agrees with the tl kernel (FLASH_ATTENTION_GLUON=0) and repeats bit for bit.
-On the CPU the kernel cannot run: the CPU tests check the decision and compile it for sm_90 under
-the installed Triton.
+softcap <= 52) and with the running max (fp16, or a larger softcap), sinks, and dropout, whose keep
+mask must be the one the tl kernels draw (``return_attn_probs``' S_dmask), bit for bit. Each meets
+the float64 bar, agrees with the tl kernel (FLASH_ATTENTION_GLUON=0) and repeats bit for bit. On the
+CPU the kernel cannot run: the CPU tests check the decision and compile it for sm_90 under the
+installed Triton.
 """
 
 import math

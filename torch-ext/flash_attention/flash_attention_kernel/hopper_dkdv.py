@@ -38,10 +38,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
-    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, band_tiles, chunk_buffers, chunk_bytes,
-    chunks_at, issue_into_chunks, issue_over_chunks, load_chunks, make_ring, operand_layout, option_arguments,
-    release_unread, store_chunks, tile_arguments, tile_logits, tile_logits_grad, tma_load, vector_descriptor,
-    wait_chunk_pairs, zero_chunks,
+    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, band_tiles,
+    chunk_buffers, chunk_bytes, chunks_at, issue_into_chunks, issue_over_chunks, load_chunks, make_ring,
+    operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits, tile_logits_grad,
+    tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -160,8 +160,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
               GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
     """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over the query tiles [m_lo,
     m_hi) the producer streams, of every query head of the group."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
+    s_layout: gl.constexpr = accumulator_layout(ROWS)
     pds_layout: gl.constexpr = operand_layout(q_bufs[0].shape[2])  # (P^T's and dS^T's, for the first chunks)
     first_key = start_key + WG * KEYS
     keys = first_key + gl.arange(0, KEYS, gl.SliceLayout(1, s_layout))

@@ -41,10 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from .hopper_dropout import dropout_rows, keep_pairs, row_calls
 from .hopper_gluon import (
-    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, chunk_buffers, chunk_bytes, chunks_at,
-    issue_into_chunks, issue_over_chunks, key_tiles, load_chunks, make_ring, operand_layout, option_arguments,
-    query_program, release_unread, round_pairs, store_chunks, stream_key_tiles, tile_arguments, tile_logits,
-    tile_logits_grad, wait_chunks, zero_chunks,
+    ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, chunk_buffers,
+    chunk_bytes, chunks_at, issue_into_chunks, issue_over_chunks, key_tiles, load_chunks, make_ring, operand_layout,
+    option_arguments, query_program, release_unread, round_pairs, store_chunks, stream_key_tiles, tile_arguments,
+    tile_logits, tile_logits_grad, wait_chunks, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -156,8 +156,7 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_b
     """One warpgroup: dQ of query rows [start_m + WG * 64, + 64) over the key tiles [keys_lo,
     keys_hi) the producer streams."""
     KEYS: gl.constexpr = k_bufs[0].shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, KEYS, 16])
+    s_layout: gl.constexpr = accumulator_layout(KEYS)
     ds_layout: gl.constexpr = operand_layout(k_bufs[0].shape[2])  # (dS's, for dQ's first chunk)
     first_row = start_m + WG * ROWS
     rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))

@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .hopper_dropout import dropout_rows, keep_pairs, row_calls
 from .hopper_gluon import (
     ALIBI_, ALIBI_ABOVE, ALIBI_ACROSS, ALIBI_BELOW, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_,
-    chunk_buffers, chunk_bytes, chunks_at, forward_logits, issue_into_chunks, issue_over_chunks, key_tiles,
-    load_chunks, make_ring, operand_layout, option_arguments, query_program, release_unread, round_pairs,
+    accumulator_layout, chunk_buffers, chunk_bytes, chunks_at, forward_logits, issue_into_chunks, issue_over_chunks,
+    key_tiles, load_chunks, make_ring, operand_layout, option_arguments, query_program, release_unread, round_pairs,
     scale_rows, store_chunks, stream_key_tiles, tile_arguments, wait_chunks, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
@@ -220,8 +220,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
     """One warpgroup: O and lse of query rows [start_m + WG * 64, + 64) over the key tiles
     [keys_lo, keys_hi) the producer streams."""
     KEYS: gl.constexpr = k_bufs[0].shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, KEYS, 16])
+    s_layout: gl.constexpr = accumulator_layout(KEYS)
     p_layout: gl.constexpr = operand_layout(v_bufs[0].shape[2])  # (P's, for O's first chunk)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     first_row = start_m + WG * ROWS

@@ -212,7 +212,8 @@ def make_ring(STAGES: gl.constexpr):
 
 @gluon.constexpr_function
 def accumulator_layout(width):
-    """The register layout of a warpgroup's wgmma accumulator of 64 rows by ``width`` columns."""
+    """The register layout of a warpgroup's wgmma result (S, dP or an accumulator) of 64 rows by
+    ``width`` columns."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 16])
 
 
