@@ -1,5 +1,6 @@
-"""Compile a Gluon kernel of the built package for sm_90 under the installed Triton, no GPU
-needed (tests/test_hopper_forward.py, test_hopper_backward.py: Gluon's API changes by release).
+"""Compile a Gluon kernel of the built package for sm_90 (or sm_80: the fused backward for mma.sync
+GPUs) under the installed Triton, no GPU needed (tests/test_hopper_forward.py,
+test_hopper_backward.py, test_ampere_backward.py: Gluon's API changes by release).
 
 In a fresh process: the check needs the installed Triton's compiler only, and a test worker that
 has run kernels through TRITON_INTERPRET=1 can carry the interpreter's state into it (CI saw
@@ -61,12 +62,33 @@ if os.environ.get("GLUON_PTX_DIR"):  # the code alone (resource_report's cut), t
 """
 
 
+# The fused backward for mma.sync GPUs (ampere_backward): compiled for sm_80 with its own warps,
+# within the A100 class's shared memory (``limit``, set by the body: configs.GPU_CLASSES)
+_COMPILE_AMPERE = """
+compiled = triton.compile(GluonASTSource(function, signature, constants, attrs),
+                          target=GPUTarget("cuda", 80, 32), options=dict(num_warps=num_warps))
+assert compiled.asm["cubin"]
+assert "mma.sync" in compiled.asm["ptx"] and "cp.async" in compiled.asm["ptx"]
+assert compiled.metadata.shared <= limit, (compiled.metadata.shared, limit)
+"""
+
+
 def assert_compiles_for_hopper(fa, body: str, *args) -> None:
     """Run ``body`` between the prelude (the package loaded) and the sm_90 compile, with ``args``."""
+    _run(fa, _PRELUDE + body + _COMPILE, args)
+
+
+def assert_compiles_for_ampere(fa, body: str, *args) -> None:
+    """Run ``body`` (which also sets ``attrs``, ``num_warps`` and ``limit``) between the prelude and
+    the sm_80 compile, with ``args``."""
+    _run(fa, _PRELUDE + body + _COMPILE_AMPERE, args)
+
+
+def _run(fa, script: str, args) -> None:
     package_dir = str(pathlib.Path(fa.__file__).parent)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _PRELUDE + body + _COMPILE, package_dir, fa.__name__,
-                             *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script, package_dir, fa.__name__, *map(str, args)], env=env,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

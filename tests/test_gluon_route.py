@@ -50,8 +50,8 @@ def test_failed_gluon_import_turns_the_kernel_off(fa, monkeypatch):
 
     monkeypatch.setattr(route.importlib, "import_module", failing_import)
     with pytest.warns(RuntimeWarning, match="Gluon kernel hopper_forward does not build under Triton .*warpgroup_mma"):
-        assert route._load("hopper_forward") is None
-    assert route._load("hopper_forward") is None
+        assert route.load_kernel_module("hopper_forward") is None
+    assert route.load_kernel_module("hopper_forward") is None
     assert attempts == [".hopper_forward"]
 
 

@@ -209,7 +209,8 @@ def _per_head_tensor(name: str, x, q: torch.Tensor, shapes: dict, dtypes, dtype_
 
 
 def checked_attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, s_aux, rng_state: Optional[torch.Tensor] = None) -> AttentionOptions:
+                              alibi_slopes, s_aux, rng_state: Optional[torch.Tensor] = None,
+                              deterministic=False) -> AttentionOptions:
     """The validated options of a call on ``q`` (heads on dim -2) with ``batch`` sequences, with
     dropout's RNG state drawn from PyTorch's generator when dropout_p > 0, unless ``rng_state``
     (int64 (2,), a forward's: a backward regenerating its mask) is given."""
@@ -219,9 +220,10 @@ def checked_attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_sc
     try:
         if torch.compiler.is_compiling():  # (dynamo traces the function, not its cache)
             raise TypeError
-        options = scalar_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap)
+        options = scalar_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap, deterministic)
     except TypeError:  # an unhashable argument: the checks' own error
-        options = scalar_options.__wrapped__(head_dim, dropout_p, softmax_scale, causal, window_size, softcap)
+        options = scalar_options.__wrapped__(head_dim, dropout_p, softmax_scale, causal, window_size, softcap,
+                                             deterministic)
     if alibi_slopes is None and s_aux is None and options.dropout_p == 0:
         return options
     if alibi_slopes is not None:
@@ -242,7 +244,8 @@ def checked_attention_options(q: torch.Tensor, batch: int, dropout_p, softmax_sc
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def scalar_options(head_dim: int, dropout_p, softmax_scale, causal, window_size, softcap) -> AttentionOptions:
+def scalar_options(head_dim: int, dropout_p, softmax_scale, causal, window_size, softcap,
+                   deterministic=False) -> AttentionOptions:
     """The validated scalar options, as one AttentionOptions without tensors. Cached: a model calls
     with the same few sets of options again and again, and a call's host time counts in decoding
     (a cached object also keeps the values it derives, options.AttentionOptions.variant...)."""
@@ -252,6 +255,7 @@ def scalar_options(head_dim: int, dropout_p, softmax_scale, causal, window_size,
     return AttentionOptions(
         softmax_scale=softmax_scale_or_default(softmax_scale, head_dim), causal=bool(causal),
         window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p,
+        deterministic=bool(deterministic),
     )
 
 

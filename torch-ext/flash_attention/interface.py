@@ -21,8 +21,9 @@ sink's logit). softmax_lse is fp32, natural log, includes the sink, and is shape
 (batch, nheads, seqlen_q) for dense inputs and (nheads, total_q) for varlen inputs. With
 return_attn_probs=True the functions return (out, softmax_lse, S_dmask): S_dmask is None without
 dropout, else the probabilities (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated.
-The backward uses no atomics, so every output and gradient is bitwise repeatable whatever
-``deterministic`` says.
+Every output and gradient is bitwise repeatable with ``deterministic=True``; with False (the
+default, as in flash-attn) the backward may add dQ by atomics where that is faster (the A100 class
+at head dim 128: docs/api.md#determinism), and is repeatable everywhere else.
 """
 
 from typing import Optional
@@ -38,11 +39,11 @@ NO_LAYOUT = (None, None, 0, 0, None)  # dense inputs: no cu_seqlens, max_seqlens
 
 
 def _run(op: str, inputs: tuple, q, k, layout: tuple, batch: int, dropout_p, softmax_scale, causal, window_size,
-         softcap, alibi_slopes, s_aux, return_attn_probs):
+         softcap, alibi_slopes, s_aux, return_attn_probs, deterministic=False):
     """Forward op ``op`` on ``inputs`` (q, k: the query and key tensors among them) with the
     sequence ``layout`` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) and the options."""
     options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                        s_aux)
+                                        s_aux, deterministic=deterministic)
     out, softmax_lse = run_attention(op, inputs, layout, options)
     if not return_attn_probs:
         return out
@@ -70,7 +71,7 @@ def flash_attn_func(
     Returns out like q, or (out, softmax_lse, S_dmask)."""
     check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
     return _run("fwd", (q, k, v), q, k, NO_LAYOUT, q.shape[0], dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, s_aux, return_attn_probs)
+                alibi_slopes, s_aux, return_attn_probs, deterministic)
 
 
 def flash_attn_kvpacked_func(
@@ -91,7 +92,7 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(dim=2)
     check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
     return _run("fwd_kvpacked", (q, kv), q, k, NO_LAYOUT, q.shape[0], dropout_p, softmax_scale, causal, window_size,
-                softcap, alibi_slopes, s_aux, return_attn_probs)
+                softcap, alibi_slopes, s_aux, return_attn_probs, deterministic)
 
 
 def flash_attn_qkvpacked_func(
@@ -111,7 +112,7 @@ def flash_attn_qkvpacked_func(
     q, k, v = qkv.unbind(dim=2)
     check_qkv(q, k, v, DENSE, heads_axis=2, dense=True)
     return _run("fwd_qkvpacked", (qkv,), q, k, NO_LAYOUT, q.shape[0], dropout_p, softmax_scale, causal, window_size,
-                softcap, alibi_slopes, s_aux, return_attn_probs)
+                softcap, alibi_slopes, s_aux, return_attn_probs, deterministic)
 
 
 def flash_attn_varlen_func(
@@ -148,7 +149,7 @@ def flash_attn_varlen_func(
         max_seqlens = check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     layout = (cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table)
     return _run("fwd", (q, k, v), q, k, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal,
-                window_size, softcap, alibi_slopes, s_aux, return_attn_probs)
+                window_size, softcap, alibi_slopes, s_aux, return_attn_probs, deterministic)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -175,7 +176,7 @@ def flash_attn_varlen_kvpacked_func(
     layout = (cu_seqlens_q, cu_seqlens_k, *check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k),
               None)
     return _run("fwd_kvpacked", (q, kv), q, k, layout, cu_seqlens_q.numel() - 1, dropout_p, softmax_scale, causal,
-                window_size, softcap, alibi_slopes, s_aux, return_attn_probs)
+                window_size, softcap, alibi_slopes, s_aux, return_attn_probs, deterministic)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -199,7 +200,7 @@ def flash_attn_varlen_qkvpacked_func(
     max_seqlen, _ = check_varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, q, k)
     return _run("fwd_qkvpacked", (qkv,), q, k, (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None),
                 cu_seqlens.numel() - 1, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux,
-                return_attn_probs)
+                return_attn_probs, deterministic)
 
 
 def flash_attention_forward(

@@ -38,10 +38,11 @@ flash-attn applies them in the blocks' own coordinates, silently wrong. The forw
 ValueError naming the option instead when a ring engine's block loop calls it
 (``RING_ENGINE_MODULES``, over a process group of more than one rank); ring-flash-attn's llama3
 scheme gathers all the keys up to its queries, bottom-right aligned, so distances stay right there
-and it is not refused. ``deterministic`` is accepted and ignored: the backward has no atomics, so
-it is always deterministic. ``zero_tensors`` (varlen) zeroes what flash-attn's zeroes: the output
-rows of q past the last sequence (their lse -inf) and, in the backward, dq, dk, dv before the
-kernels write the sequences' rows. ``leftpad_k`` and ``seqused_k`` are not supported
+and it is not refused. ``deterministic`` means what it means in flash-attn: True keeps the
+backward bitwise repeatable (it is everywhere but on the A100 class at head dim 128, where False
+adds dQ by atomics, ``flash_attention_kernel.ampere_route``). ``zero_tensors`` (varlen) zeroes
+what flash-attn's zeroes: the output rows of q past the last sequence (their lse -inf) and, in
+the backward, dq, dk, dv before the kernels write the sequences' rows. ``leftpad_k`` and ``seqused_k`` are not supported
 (NotImplementedError). Where flash-attn differs on purpose: ``return_softmax`` without dropout
 returns an empty S_dmask instead of raising, and S_dmask holds the normalised probabilities
 (flash-attn's own are unnormalised and padded).
@@ -156,7 +157,7 @@ def _flash_attn_backward(
     batch, seqlen_q, heads, _ = q.shape
     softmax_lse = _check_backward_tensors(dout, out, softmax_lse, (batch, heads, seqlen_q), q, (dq, dk, dv), (q, k, v))
     delta = _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), NO_LAYOUT, batch, dropout_p, softmax_scale,
-                      causal, window_size_left, window_size_right, softcap, alibi_slopes, rng_state)
+                      causal, window_size_left, window_size_right, softcap, alibi_slopes, rng_state, deterministic)
     softmax_d = q.new_zeros((batch, heads, cdiv(seqlen_q, 128) * 128), dtype=torch.float32)
     softmax_d[:, :, :seqlen_q] = delta
     return softmax_d
@@ -200,7 +201,7 @@ def _flash_attn_varlen_backward(
                 grad.zero_()
     delta = _backward(dout, q, k, v, out, softmax_lse, (dq, dk, dv), (cu_seqlens_q, cu_seqlens_k, *max_seqlens, None),
                       batch, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                      alibi_slopes, rng_state)
+                      alibi_slopes, rng_state, deterministic)
     # sequence b's rows start at cu_seqlens_q[b] + 128 b in flash-attn's softmax_d
     rows = torch.arange(total_q, device=q.device, dtype=cu_seqlens_q.dtype)
     sequence = torch.searchsorted(cu_seqlens_q, rows, right=True) - 1
@@ -232,7 +233,7 @@ def _forward(q, k, v, layout, batch, dropout_p, softmax_scale, causal, window_si
 
 
 def _backward(dout, q, k, v, out, softmax_lse, grads, layout, batch, dropout_p, softmax_scale, causal,
-              window_size_left, window_size_right, softcap, alibi_slopes, rng_state) -> torch.Tensor:
+              window_size_left, window_size_right, softcap, alibi_slopes, rng_state, deterministic) -> torch.Tensor:
     """The gradients into ``grads``; returns flash-attn's softmax_d values, rowsum(dout * out)
     times the keep probability 1 - dropout_p, shaped like softmax_lse."""
     if rng_state is None and isinstance(dropout_p, (int, float)) and dropout_p > 0:  # (else the options draw one)
@@ -240,7 +241,7 @@ def _backward(dout, q, k, v, out, softmax_lse, grads, layout, batch, dropout_p, 
                          "(the 4th result of _flash_attn_forward), to regenerate the same dropout mask")
     options = checked_attention_options(q, batch, dropout_p, softmax_scale, causal,
                                         (window_size_left, window_size_right), _softcap(softcap), alibi_slopes, None,
-                                        rng_state=rng_state)
+                                        rng_state=rng_state, deterministic=deterministic)
     with torch.no_grad():
         delta = run_backward_into(grads, dout, q, k, v, out, softmax_lse, layout, options)
     return delta * (1.0 - options.dropout_p) if options.dropout_p > 0 else delta

@@ -61,14 +61,17 @@ from .tiles import (
 
 @triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def _attn_bwd_preprocess_kernel(
-    Out, DO, DLse, Delta, CuSeqlensQ, total_q,
+    Out, DO, DLse, Delta, DqAcc, CuSeqlensQ, total_q,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
+    stride_dqab, stride_dqah, stride_dqam,
     stride_stat_b, stride_stat_h,
     seqlen_q,
     HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
+    """delta of BLOCK_M query rows; ZERO_DQ: and zeroes their rows of the fp32 dQ accumulator
+    (the fused backward's, ``ampere_backward``)."""
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -81,6 +84,26 @@ def _attn_bwd_preprocess_kernel(
                      tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1),
                      tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1),
                      start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, HAS_DLSE)
+    if ZERO_DQ:
+        zeros = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
+        store_tile(tile_base(DqAcc, batch, head, q_first, stride_dqab, stride_dqah, stride_dqam), zeros, zeros,
+                   start_m, stride_dqam, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, "ieee")
+
+
+@triton.jit(do_not_specialize=["seqlen_q"])
+def _dq_from_accumulator_kernel(
+    DqAcc, DQ, stride_dqab, stride_dqah, stride_dqam, stride_dqb, stride_dqh, stride_dqm, seqlen_q,
+    HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dQ of BLOCK_M query rows (dense) from the fused backward's fp32 accumulator, which holds it
+    scaled already."""
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    dq_a, dq_b = load_tile(tile_base(DqAcc, batch, head, 0, stride_dqab, stride_dqah, stride_dqam), start_m,
+                           stride_dqam, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True)
+    store_tile(tile_base(DQ, batch, head, 0, stride_dqb, stride_dqh, stride_dqm), dq_a, dq_b, start_m, stride_dqm,
+               seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, PRECISION)
 
 
 @triton.jit
@@ -495,16 +518,32 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             USE_TMA=plan.dkdv.tl.tma, **config.launch_args(),
         )
 
+    pre_block = 64 if not interpreted else 32
+    row_tiles = (cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)
+
+    def launch_preprocess(dq_accumulator=None):
+        zero_dq = dq_accumulator is not None
+        dq_accumulator = dq_accumulator if zero_dq else dout  # (an unread stand-in otherwise)
+        launcher(_attn_bwd_preprocess_kernel, wrap_kernel)[row_tiles](
+            out, dout, dlse, delta, dq_accumulator, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[2],
+            *layout.strides(out), *layout.strides(dout), *layout.strides(dq_accumulator), *layout.stat_strides(delta),
+            layout.seqlen_q, BLOCK_M=pre_block, HAS_DLSE=has_dlse, ZERO_DQ=zero_dq, **common,
+        )
+
+    if plan.fused:  # one kernel for dK, dV and dQ, which it adds to a zeroed fp32 accumulator (ampere_backward)
+        dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        launch_preprocess(dq_accumulator)
+        plan.dq.gluon(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options, layout)
+        launcher(_dq_from_accumulator_kernel, wrap_kernel)[row_tiles](
+            dq_accumulator, dq, *layout.strides(dq_accumulator), *layout.strides(dq), layout.seqlen_q,
+            BLOCK_M=pre_block, HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
+            PRECISION=precision_mode(q.dtype, interpreted),
+        )
+        return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)
     if delta_in_dq:
         launch_fitting(plan.dq.tl, launch_dq)
     else:
-        pre_block = 64 if not interpreted else 32
-        grid = (cdiv(layout.seqlen_q, pre_block), num_heads, layout.batch)
-        launcher(_attn_bwd_preprocess_kernel, wrap_kernel)[grid](
-            out, dout, dlse, delta, layout.cu_seqlens_q, layout.cu_seqlens(q, k)[2],
-            *layout.strides(out), *layout.strides(dout), *layout.stat_strides(delta), layout.seqlen_q,
-            BLOCK_M=pre_block, HAS_DLSE=has_dlse, **common,
-        )
+        launch_preprocess()
     if plan.dkdv.gluon is not None:
         plan.dkdv.gluon(dout, q, k, v, lse, delta, dk, dv, options, layout, plan.dkdv.gluon_config)
     else:

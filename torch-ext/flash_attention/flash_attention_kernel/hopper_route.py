@@ -140,13 +140,13 @@ def launcher(kernel: str):
     ``hopper_dq.attention_dq``, ``hopper_dkdv.attention_dkdv``), its module imported on first use;
     None where the installed Triton's Gluon cannot build it."""
     module_name, function = KERNELS[kernel]
-    module = _load(module_name)
+    module = load_kernel_module(module_name)
     return module and getattr(module, function)
 
 
-def _load(name: str):
-    """Import the kernel module ``name`` on first use; None, with one warning, where the installed
-    Triton's Gluon cannot build it."""
+def load_kernel_module(name: str):
+    """Import the Gluon kernel module ``name`` on first use; None, with one warning, where the
+    installed Triton's Gluon cannot build it."""
     if name not in _loaded:
         try:
             _loaded[name] = importlib.import_module(f".{name}", __package__)

@@ -58,9 +58,12 @@ class AttentionOptions:
     alibi_slopes: Optional[torch.Tensor] = None  # fp32 (heads,) or (batch, heads)
     sinks: Optional[torch.Tensor] = None  # (heads,)
     rng_state: Optional[torch.Tensor] = None  # int64 (2,): seed, offset; with dropout only
+    # flash-attn's ``deterministic``: True keeps the backward off kernels that sum by atomics (the
+    # fused backward on the A100 class, ampere_route), so that its gradients are bitwise repeatable
+    deterministic: bool = False
 
     TENSORS = ("alibi_slopes", "sinks", "rng_state")  # (``tensors`` spells them out in this order)
-    SCALARS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "dropout_p")
+    SCALARS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "dropout_p", "deterministic")
 
     # ---- the op schema -------------------------------------------------------------------
     @staticmethod

@@ -11,6 +11,9 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
   mask).
 * tl otherwise, with ``launch.tl_launch`` (the config table's entry, warp-specialised or plain,
   through tensor descriptors or not). A pass the Gluon kernel runs gets no tl launch.
+* on the A100 class, the backward of a dense bf16/fp16 call at head dim 128, causal or not, in
+  full tiles, that does not ask for determinism: one Gluon kernel for both passes, dQ by atomics
+  (``ampere_route.chosen``, ``ampere_backward``; ``BackwardPlan.fused``).
 * delta (rowsum(dO * O) - dlse, which both backward kernels read): fp32 inputs make it in the tl
   dQ kernel's first pass (``DELTA_FP32_PASS``, PyTorch's form from P and dP); a plain dense tl dQ
   kernel makes it in its prologue and runs first (``DELTA_IN_DQ``), saving the preprocess launch
@@ -41,7 +44,9 @@ import types
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from . import configs, hopper_route
+import torch
+
+from . import ampere_route, configs, hopper_route
 from .configs import GluonConfig
 from .launch import (
     PLAIN_TENSORS, SequenceLayout, TlLaunch, any_refitted, kernel_variant, refitted, remembered, tl_launch,
@@ -73,11 +78,13 @@ class PassPlan:
 @dataclass(frozen=True)
 class BackwardPlan:
     """The backward's decisions: ``delta_source`` (DELTA_IN_DQ, DELTA_PREPROCESS or
-    DELTA_FP32_PASS) and the dQ and dK/dV passes."""
+    DELTA_FP32_PASS) and the dQ and dK/dV passes. ``fused``: one kernel makes both passes (dQ by
+    atomics: ``ampere_backward``), whose launch function both passes' ``gluon`` hold."""
 
     delta_source: str
     dq: PassPlan
     dkdv: PassPlan
+    fused: bool = False
 
 
 def plan_forward(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, q, k, v) -> PassPlan:
@@ -102,6 +109,10 @@ def plan_backward(options: AttentionOptions, layout: SequenceLayout, interpreted
 
 def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> BackwardPlan:
     q = tensors[0]
+    fused = ampere_route.launcher() if ampere_route.chosen(options, layout, interpreted, tensors) else None
+    if fused is not None:
+        both = PassPlan(gluon=fused)
+        return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
     dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
     dkdv = _pass_plan("bwd_dkdv", options, layout, interpreted, tensors)
@@ -135,7 +146,7 @@ def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, inter
     if not all(type(x) in PLAIN_TENSORS for x in tensors):
         return None
     return (kind, interpreted, options.variant, options.causal, options.window, options.softcap, options.dropout_p > 0,
-            layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size, *switches(),
+            options.deterministic or torch.are_deterministic_algorithms_enabled(), layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size, *switches(),
             *[(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) for x in tensors])
 
 

@@ -1,0 +1,86 @@
+"""Which backward calls the fused Gluon backward for mma.sync GPUs takes, decided without importing Gluon.
+
+``ampere_backward`` computes dK, dV and dQ in one kernel, dQ by fp32 atomics (FlashAttention-2's
+backward), where the tl backward runs two kernels and recomputes P and dP for dQ. Its sums are not
+bitwise repeatable, so it takes only calls that do not ask for determinism (``deterministic=False``,
+flash-attn's default, and ``torch.use_deterministic_algorithms`` off); the others keep the tl
+kernels, whose every gradient is repeatable.
+
+``chosen`` asks: the kernels enabled (FLASH_ATTENTION_GLUON, not "0"; a Triton in
+hopper_route.CHECKED_VERSIONS unless it is "1"), no override of a backward pass
+(configs.set_override: the override's kernel runs), and the call ``fits``. Its module is imported
+on first use like the Hopper kernels' (``hopper_route.load_kernel_module``: one warning and the tl
+kernels where a Triton's Gluon cannot build it).
+"""
+
+import os
+
+import torch
+import triton
+from torch._subclasses.fake_tensor import is_fake
+
+from . import configs
+from .hopper_route import BACKWARD_MIN_SEQLEN_K, CHECKED_VERSIONS, load_kernel_module
+from .launch import SequenceLayout, device_gpu_class
+from .options import MASK_RIGHT, SINKS, AttentionOptions
+
+# What the kernel compiles in (ampere_backward: its tiles, and the 160 KB of shared memory its
+# tiles take at head dim 128, which the A100 class's 163 KB hold and the RTX class's 99 KB do not)
+HEAD_DIMS = (128,)
+QUERY_TILE, KEY_TILE = 64, 128
+GPU_CLASSES = ("sm80",)
+# The options it applies: causal masking (the window (-1, 0)) or none, and sinks (through the
+# lse); a window, softcap, ALiBi or dropout keep the tl kernels
+OPTION_BITS = MASK_RIGHT | SINKS
+WINDOWS = ((-1, -1), (-1, 0))
+
+
+def chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
+    """Whether the fused backward runs this call (``tensors``: q, k, v, dout) (module docstring)."""
+    setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
+    if setting == "0" or options.deterministic or torch.are_deterministic_algorithms_enabled():
+        return False
+    if setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS):
+        return False
+    if any(configs.overridden_implementation(kernel) is not None for kernel in ("bwd_dq", "bwd_dkdv")):
+        return False
+    return fits(options, layout, interpreted, tensors) and (setting == "1" or layout.seqlen_k >= BACKWARD_MIN_SEQLEN_K)
+
+
+def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
+    """Whether the fused backward can run this call: a GPU of GPU_CLASSES, dense bf16 or fp16 at a
+    head dim of HEAD_DIMS, full tiles (seqlen_q a multiple of 64, seqlen_k of 128), no option
+    beyond causal masking and sinks, tensors whose rows cp.async reads 16 bytes at a time (``_copies_rows``), compiled
+    (not interpreted, not traced by torch.compile: the graph keeps the tl kernels)."""
+    if interpreted or any(is_fake(x) for x in tensors):
+        return False
+    q = tensors[0]
+    if (options.variant & ~OPTION_BITS or options.window not in WINDOWS or layout.is_varlen
+            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS):
+        return False
+    if layout.seqlen_q % QUERY_TILE or layout.seqlen_k % KEY_TILE:
+        return False
+    if gpu_class_name(q.device) not in GPU_CLASSES:
+        return False
+    return all(_copies_rows(x) for x in tensors)
+
+
+def _copies_rows(x: torch.Tensor) -> bool:
+    """Whether the kernel's cp.async copies can read ``x``'s rows 16 bytes at a time: unit last
+    stride, 16-byte aligned, and every other stride a multiple of 16 elements, which Triton
+    specialises on (a stride of 8 would compile to copies of one element, which cp.async refuses)."""
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in x.stride()[:-1])
+
+
+def gpu_class_name(device: torch.device):
+    """The config class (configs.GPU_CLASSES) of a CUDA device; None for other devices."""
+    if device.type != "cuda" or torch.version.hip:
+        return None
+    return device_gpu_class(device).name
+
+
+def launcher():
+    """``ampere_backward.attention_backward_fused``, its module imported on first use; None where
+    the installed Triton's Gluon cannot build it."""
+    module = load_kernel_module("ampere_backward")
+    return module and module.attention_backward_fused
