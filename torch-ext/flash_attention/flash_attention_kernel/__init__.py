@@ -28,6 +28,8 @@ The tl kernels (every supported GPU, configs.MIN_CAPABILITY up, and the CPU inte
 * forward.py: FlashAttention-2 forward (online softmax), returns out and the natural-log logsumexp.
 * backward.py: dQ + dK/dV kernels (delta from the dQ kernel or a preprocess kernel), no atomics,
   GQA reduced inside the dK/dV kernel; the sinks' gradient.
+* ampere_backward.py, ampere_route.py: the backward in one Gluon kernel for the A100 class (dQ by
+  atomics), for calls that do not ask for determinism.
 * decode.py: attention over a KV cache (flash_attn_with_kvcache): appending new keys and values,
   split-KV decoding with the query heads of a KV head packed into one program, and the merge.
 * probabilities.py: the attention probabilities with the dropout mask (return_attn_probs).

@@ -27,6 +27,10 @@ the gradients are
   take ``hopper_dkdv`` and ``hopper_dq`` instead: the same math in Gluon, with a producer warp and
   two consumer warpgroups that run out of step (FlashAttention-3's structure, ``hopper_gluon``).
   ``planner.plan_backward`` makes these choices (delta's source, each pass's kernel and config).
+* On the A100 class, dense bf16/fp16 calls at head dim 128 that do not ask for determinism take
+  one fused kernel for both passes, ``ampere_backward`` (dQ added to an fp32 accumulator by
+  atomics), between the preprocess kernel (delta, and the accumulator zeroed: ``ZERO_DQ``) and
+  ``_dq_from_accumulator_kernel``.
 
 Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit only
 the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /
