@@ -124,7 +124,7 @@ def test_launcher_zeroes_and_converts_the_accumulator(fa, kernels, monkeypatch):
     writes dq from it; the stand-in's dK, dV come back as they were written."""
     calls = []
 
-    def stand_in(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options, layout):
+    def stand_in(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options, layout, config):
         assert dq_accumulator.dtype == torch.float32 and dq_accumulator.shape == q.shape
         assert torch.equal(dq_accumulator, torch.zeros_like(dq_accumulator))
         expected_delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)
@@ -136,6 +136,7 @@ def test_launcher_zeroes_and_converts_the_accumulator(fa, kernels, monkeypatch):
 
     monkeypatch.setattr(kernels.ampere_route, "chosen", lambda *args: True)
     monkeypatch.setattr(kernels.ampere_route, "launcher", lambda: stand_in)
+    monkeypatch.setattr(kernels.ampere_route, "gpu_class_name", lambda device: "sm80")
     q, k, v = _bshd(2, 64, 4, head_dim=32), _bshd(2, 128, 2, head_dim=32), _bshd(2, 128, 2, head_dim=32)
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -147,13 +148,15 @@ def test_launcher_zeroes_and_converts_the_accumulator(fa, kernels, monkeypatch):
         torch.testing.assert_close(ours, exact.float().to(ours.dtype), atol=0, rtol=0, msg=label)
 
 
-# (tests/gluon_compile.py: args head dim, group, causal, dtype)
+# (tests/gluon_compile.py: args head dim, group, causal, dtype, GPU class)
 _KERNEL_SIGNATURE = """
-head_dim, group, causal, dtype = int(args[0]), int(args[1]), args[2] == "True", args[3]
+head_dim, group, causal, dtype, gpu_class = int(args[0]), int(args[1]), args[2] == "True", args[3], args[4]
 module = importlib.import_module(name + ".flash_attention_kernel.ampere_backward")
 configs = importlib.import_module(name + ".flash_attention_kernel.configs")
 function = module._backward_kernel
-constants = dict(GROUP_SIZE=group, HEAD_DIM=head_dim, CAUSAL=causal)
+config = configs.FUSED_BACKWARD[gpu_class]
+constants = dict(GROUP_SIZE=group, HEAD_DIM=head_dim, CAUSAL=causal, ROWS=config.query_tile, KEYS=config.key_tile,
+                 S_GRID=config.warp_grids[0], KV_GRID=config.warp_grids[1], DQ_GRID=config.warp_grids[2])
 signature, attrs = {}, {}
 for index, n in enumerate(function.arg_names):
     if n in constants:
@@ -166,18 +169,21 @@ for index, n in enumerate(function.arg_names):
         signature[n] = "fp32" if n in ("qk_scale_log2", "softmax_scale") else "i32"
     if signature[n].startswith("*") or n.startswith("stride") or n.startswith("seqlen"):
         attrs[(index,)] = [["tt.divisibility", 16]]  # (what a routed launch specialises: ampere_route.fits)
-num_warps = module.NUM_WARPS
-limit = next(c.shared_memory for c in configs.GPU_CLASSES if c.name == "sm80")
+num_warps = config.num_warps
+limit = next(c.shared_memory for c in configs.GPU_CLASSES if c.name == gpu_class)
 """
 
 
 @pytest.mark.parametrize("head_dim, group, causal, dtype", [
     (128, 1, False, "bf16"), (128, 1, True, "bf16"), (128, 4, True, "fp16"), (128, 2, False, "fp16"),
 ])
-def test_compiles_for_the_a100_class(fa, head_dim, group, causal, dtype):
-    """The kernel compiles to an sm_80 cubin (mma.sync, cp.async) within the A100 class's shared
-    memory under the installed Triton, no GPU needed."""
-    assert_compiles_for_ampere(fa, _KERNEL_SIGNATURE, head_dim, group, causal, dtype)
+@pytest.mark.parametrize("gpu_class", ["sm80"])
+def test_compiles_for_each_class(fa, head_dim, group, causal, dtype, gpu_class):
+    """The kernel compiles to an sm_80 cubin (mma.sync, cp.async) with each GPU class's tiles
+    (configs.FUSED_BACKWARD) within that class's shared memory under the installed Triton, no GPU
+    needed."""
+    assert gpu_class in fa.flash_attention_kernel.configs.FUSED_BACKWARD
+    assert_compiles_for_ampere(fa, _KERNEL_SIGNATURE, head_dim, group, causal, dtype, gpu_class)
 
 
 def _gradients(fa, q, k, v, dout, causal, deterministic, **options):

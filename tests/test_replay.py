@@ -217,6 +217,23 @@ def test_switch_and_traced_launches_skip_replays(fa, replay, monkeypatch):
     assert len(ran) == 5
 
 
+def test_torchs_determinism_flag_is_part_of_the_signature(fa, replay):
+    """torch.use_deterministic_algorithms changes which backward runs (ampere_route), so a
+    signature prepared with it off records again with it on."""
+    launcher, ran = _stand_in(fa, _two_launches)
+    x, y = _inputs()
+    launcher(x, y)
+    launcher(x, y)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        launcher(x, y)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    launcher(x, y)  # (replays the first record)
+    assert len(ran) == 3
+
+
 def test_an_override_empties_the_prepared_calls(fa, replay):
     launcher, ran = _stand_in(fa, _two_launches)
     x, y = _inputs()

@@ -537,7 +537,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
     if plan.fused:  # one kernel for dK, dV and dQ, which it adds to a zeroed fp32 accumulator (ampere_backward)
         dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         launch_preprocess(dq_accumulator)
-        plan.dq.gluon(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options, layout)
+        plan.dq.gluon(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options, layout, plan.dq.gluon_config)
         launcher(_dq_from_accumulator_kernel, wrap_kernel)[row_tiles](
             dq_accumulator, dq, *layout.strides(dq_accumulator), *layout.strides(dq), layout.seqlen_q,
             BLOCK_M=pre_block, HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,

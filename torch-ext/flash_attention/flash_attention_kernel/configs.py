@@ -351,6 +351,24 @@ GLUON_WINDOW_STAGES = {("bwd_dkdv", 64): 4, ("bwd_dkdv", 80): 4, ("bwd_dkdv", 96
 
 
 @dataclass(frozen=True)
+class FusedBackwardConfig:
+    """The fused backward's tiles on one GPU class (ampere_backward): ``key_tile`` keys per
+    program, ``query_tile`` query rows per streamed tile, ``num_warps``, and the warp grids
+    (``warp_grids``: the warps along the keys of S^T / dP^T, along the keys of dK / dV and along
+    the rows of dQ, the rest of each along the other side)."""
+
+    query_tile: int
+    key_tile: int
+    num_warps: int
+    warp_grids: tuple
+
+
+# The fused backward's config per GPU class (the classes it runs on: ampere_route), at head dim
+# 128: FlashAttention-2's A100 tiles and grids (160 KB of shared memory; docs/design.md#ampere-gluon-backward)
+FUSED_BACKWARD = {"sm80": FusedBackwardConfig(64, 128, 8, (4, 4, 2))}
+
+
+@dataclass(frozen=True)
 class GluonConfig:
     """Launch shape of one Hopper Gluon kernel: ``query_tile`` query rows and ``key_tile`` keys per
     program (GLUON_TILES: compiled into the kernel) and a ring of ``stages`` buffers."""

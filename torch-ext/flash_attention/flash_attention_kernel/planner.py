@@ -23,8 +23,8 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
 
 A plan depends only on facts a call's signature holds (``plan_key``: the options' scalars and
 which tensor options are set, the sequence layout's lengths, each tensor's type, shape, strides,
-dtype, device and 16-byte alignment, the environment switches), so eager calls find it in a
-cache keyed by them (``_PLANS``, bounded by ``launch.remembered``) instead of deciding again:
+dtype, device and 16-byte alignment, the environment switches, torch's determinism flag), so
+eager calls find it in a cache keyed by them (``_PLANS``, bounded by ``launch.remembered``) instead of deciding again:
 the decisions cost more host time than a short call's kernels (issue 41). Setting an override
 empties the cache; a config ``launch.launch_fitting`` stepped down is applied to a cached plan as
 it is to a new one (``launch.refitted``). Calls on other tensor types (fake tensors under
@@ -42,12 +42,12 @@ import contextlib
 import os
 import types
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from . import ampere_route, configs, hopper_route
-from .configs import GluonConfig
+from .configs import FusedBackwardConfig, GluonConfig
 from .launch import (
     PLAIN_TENSORS, SequenceLayout, TlLaunch, any_refitted, kernel_variant, refitted, remembered, tl_launch,
 )
@@ -62,12 +62,12 @@ DELTA_FP32_PASS = "dq first pass"
 @dataclass(frozen=True)
 class PassPlan:
     """The kernel of one pass: the tl kernel with ``tl`` (its TlLaunch), or, where ``gluon`` is
-    set (the Gluon kernel's launch function, hopper_route.launcher), the Gluon kernel with
-    ``gluon_config``."""
+    set (the Gluon kernel's launch function, hopper_route.launcher or ampere_route.launcher), the
+    Gluon kernel with ``gluon_config`` (a GluonConfig, or the fused backward's FusedBackwardConfig)."""
 
     tl: Optional[TlLaunch] = None
     gluon: Optional[Callable] = None
-    gluon_config: Optional[GluonConfig] = None
+    gluon_config: Optional[Union[GluonConfig, FusedBackwardConfig]] = None
 
     @property
     def implementation(self) -> str:
@@ -111,7 +111,7 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     q = tensors[0]
     fused = ampere_route.launcher() if ampere_route.chosen(options, layout, interpreted, tensors) else None
     if fused is not None:
-        both = PassPlan(gluon=fused)
+        both = PassPlan(gluon=fused, gluon_config=ampere_route.config(q.device))
         return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
     dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
@@ -146,7 +146,8 @@ def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, inter
     if not all(type(x) in PLAIN_TENSORS for x in tensors):
         return None
     return (kind, interpreted, options.variant, options.causal, options.window, options.softcap, options.dropout_p > 0,
-            options.deterministic or torch.are_deterministic_algorithms_enabled(), layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size, *switches(),
+            options.deterministic or torch.are_deterministic_algorithms_enabled(), layout.is_varlen,
+            layout.seqlen_q, layout.seqlen_k, layout.page_size, *switches(),
             *[(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) for x in tensors])
 
 

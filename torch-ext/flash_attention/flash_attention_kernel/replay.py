@@ -10,7 +10,8 @@ signature and keeps the result:
 * The signature (``signature``) is what the launches can depend on: each tensor argument's
   type, shape, strides, dtype, device and 16-byte alignment, which tensor arguments are the same
   memory (equal data pointers), every other argument by value (AttentionOptions by its scalars
-  and its tensors as tensors) and the environment switches (``planner.switches``); the device
+  and its tensors as tensors), the environment switches (``planner.switches``) and
+  torch.are_deterministic_algorithms_enabled() (which the backward's route reads); the device
   is the tensors' (the launchers run under launch.on_tensor_device, which makes it current).
 * The first call of a signature runs the launcher as it is (a signature that never comes again,
   such as a varlen batch's max_seqlen or a decode step's int cache_seqlen, costs one dict entry).
@@ -75,7 +76,8 @@ def replayed(launcher):
     def call(*args, wrap_kernel=identity_wrap, **kwargs):
         if wrap_kernel is not identity_wrap or launch_hooked() or recording():  # (inside a record: its launches)
             return launcher(*args, wrap_kernel=wrap_kernel, **kwargs)
-        environment = switches()
+        # (the switches, and torch's determinism flag: the fused backward is chosen by it, ampere_route)
+        environment = (*switches(), torch.are_deterministic_algorithms_enabled())
         if not _DIRECT_TRITON or environment[_REPLAY_SWITCH] in _OFF or environment[_DIRECT_SWITCH] in _OFF:
             return launcher(*args, **kwargs)  # (without direct launches no record could be replayed)
         tensors = []
