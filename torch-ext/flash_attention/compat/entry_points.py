@@ -42,10 +42,10 @@ and it is not refused. ``deterministic`` means what it means in flash-attn: True
 backward bitwise repeatable (it is everywhere but on the A100 class at head dim 128, where False
 adds dQ by atomics, ``flash_attention_kernel.ampere_route``). ``zero_tensors`` (varlen) zeroes
 what flash-attn's zeroes: the output rows of q past the last sequence (their lse -inf) and, in
-the backward, dq, dk, dv before the kernels write the sequences' rows. ``leftpad_k`` and ``seqused_k`` are not supported
-(NotImplementedError). Where flash-attn differs on purpose: ``return_softmax`` without dropout
-returns an empty S_dmask instead of raising, and S_dmask holds the normalised probabilities
-(flash-attn's own are unnormalised and padded).
+the backward, dq, dk, dv before the kernels write the sequences' rows. ``leftpad_k`` and
+``seqused_k`` are not supported (NotImplementedError). Where flash-attn differs on purpose:
+``return_softmax`` without dropout returns an empty S_dmask instead of raising, and S_dmask holds
+the normalised probabilities (flash-attn's own are unnormalised and padded).
 
 ``_wrapped_flash_attn_*`` are the names flash-attn 2.8 gives its torch.library custom ops; here
 they are the same functions, which trace under torch.compile through this package's own ops.

@@ -24,9 +24,10 @@ from .hopper_route import BACKWARD_MIN_SEQLEN_K, CHECKED_VERSIONS, load_kernel_m
 from .launch import SequenceLayout, device_gpu_class
 from .options import MASK_RIGHT, SINKS, AttentionOptions
 
-# The head dims it runs at (d64 through it was slower than the tl kernels: docs/design.md#ampere-gluon-backward);
-# the GPU classes it runs on are those configs.FUSED_BACKWARD has tiles for (the A100 class: its
-# tiles take 160 KB of shared memory at d128, which the RTX class's 99 KB do not hold)
+# The head dims it runs at (d64 through it was slower than the tl kernels,
+# docs/design.md#ampere-gluon-backward); the GPU classes it runs on are those
+# configs.FUSED_BACKWARD has tiles for (the A100 class: its tiles take 160 KB of shared memory at
+# d128, which the RTX class's 99 KB do not hold)
 HEAD_DIMS = (128,)
 # The options it applies: causal masking (the window (-1, 0)) or none, and sinks (through the
 # lse); a window, softcap, ALiBi or dropout keep the tl kernels
@@ -49,8 +50,9 @@ def chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool,
 def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
     """Whether the fused backward can run this call: a GPU of a class configs.FUSED_BACKWARD holds,
     dense bf16 or fp16 at a head dim of HEAD_DIMS, full tiles (of the class's config), no option
-    beyond causal masking and sinks, tensors whose rows cp.async reads 16 bytes at a time (``_copies_rows``), compiled
-    (not interpreted, not traced by torch.compile: the graph keeps the tl kernels)."""
+    beyond causal masking and sinks, tensors whose rows cp.async reads 16 bytes at a time
+    (``_copies_rows``), compiled (not interpreted, not traced by torch.compile: the graph keeps
+    the tl kernels)."""
     if interpreted or any(is_fake(x) for x in tensors):
         return False
     q = tensors[0]
