@@ -6,7 +6,8 @@ Through the built Hub package, as users call it: ``flash_attn_func`` with ``dete
 kernels, bitwise repeatable). For each row (head dim 128, 16 heads, batch x seqlen = 16k tokens,
 causal or not) it checks that the two paths' gradients agree to bf16/fp16 rounding, then prints
 the backward's TFLOP/s (triton.testing.do_bench medians; backward FLOPs = 2.5x the forward's) and
-the ratios. On an A100, or on an H100/H200 emulating one:
+the ratios (bench_flash_attention.time_tflops, its SDPA FLASH provider). On an A100, or on an
+H100/H200 emulating one:
 
     EMULATE_GPU=sm_80 PYTHONPATH=../shared/tools python benchmarks/bench_fused_backward.py
         [--seqlens 1024 2048 4096 8192 16384] [--dtypes bf16 fp16]
@@ -26,33 +27,12 @@ if os.environ.get("EMULATE_GPU"):
 
 import torch
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_flash_attention import attention_flops, load_kernel  # noqa: E402
+from bench_flash_attention import Attention, attention_flops, load_kernel, time_tflops  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def tflops(fn, flops: float) -> float:
-    return flops / triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-9
-
-
-def ours(fa, q, k, v, dout, causal, deterministic):
-    """(the backward as a callable, its gradients) through the package."""
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = fa.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
-    return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), torch.autograd.grad(
-        out, leaves, dout, retain_graph=True)
-
-
-def flash_attention_2(q, k, v, dout, causal):
-    leaves = [x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-    grad = dout.transpose(1, 2).contiguous()
-    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
 def main():
@@ -62,23 +42,30 @@ def main():
     args = parser.parse_args()
     fa = load_kernel()
     kernels = fa.flash_attention_kernel
+    attention = Attention(fa)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, file=sys.stderr)
     for name in args.dtypes:
         for causal in (False, True):
             for seqlen in args.seqlens:
                 batch = TOKENS // seqlen
-                q, k, v, dout = (torch.randn(batch, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=DTYPES[name])
-                                 for _ in range(4))
-                layout = kernels.launch.SequenceLayout.of(q, k)
+                leaves = [torch.randn(batch, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=DTYPES[name],
+                                      requires_grad=True) for _ in range(3)]
+                bhsd = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in leaves]
+                dout = torch.randn_like(leaves[0])
+                layout = kernels.launch.SequenceLayout.of(leaves[0], leaves[1])
                 options = kernels.AttentionOptions(HEAD_DIM ** -0.5, causal)
-                fused_taken = kernels.ampere_route.chosen(options, layout, False, (q, k, v, dout))
-                fused, fused_grads = ours(fa, q, k, v, dout, causal, False)
-                split, split_grads = ours(fa, q, k, v, dout, causal, True)
+                fused_taken = kernels.ampere_route.chosen(options, layout, False, (*leaves, dout))
+
+                def ours(deterministic):  # (the forward the backward is timed after)
+                    return lambda: fa.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
+
+                fused_grads, split_grads = (torch.autograd.grad(ours(det)(), leaves, dout) for det in (False, True))
                 for label, a, b in zip(("dq", "dk", "dv"), fused_grads, split_grads):
                     torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2, msg=label)
                 flops = attention_flops(batch, HEADS, seqlen, HEAD_DIM, causal, "bwd")
-                rates = dict(fused=tflops(fused, flops), split=tflops(split, flops),
-                             fa2=tflops(flash_attention_2(q, k, v, dout, causal), flops))
+                rates = dict(fused=time_tflops(ours(False), leaves, flops, "bwd"),
+                             split=time_tflops(ours(True), leaves, flops, "bwd"),
+                             fa2=time_tflops(attention.forward_fn("sdpa-flash", *bhsd, causal), bhsd, flops, "bwd"))
                 row = dict(dtype=name, causal=causal, seqlen=seqlen, fused_taken=fused_taken,
                            **{key: round(rate, 1) for key, rate in rates.items()})
                 row.update({"fused/fa2": round(rates["fused"] / rates["fa2"], 3),

@@ -66,6 +66,7 @@ def attention_backward_fused(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, 
 
 
 _STEP = gl.constexpr(KCHUNK)
+_LOG2E = gl.constexpr(LOG2E)
 # the shared layout Triton gives mma.sync operands of 2-byte types: 16-byte vectors, 8 phases
 _SHARED = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
 
@@ -120,7 +121,7 @@ def _query_tile(dk, dv, k_smem, v_smem, q, do, p_smem, ds_smem, keys, m, diag, l
     ROWS: gl.constexpr = p_smem.shape[1]
     HEAD_DIM: gl.constexpr = q.shape[1]
     queries = m + gl.arange(0, ROWS, gl.SliceLayout(0, S_LAYOUT))
-    lse_log2 = gl.load(lse_row + queries) * 1.4426950408889634  # (loaded first: their latency under the products)
+    lse_log2 = gl.load(lse_row + queries) * _LOG2E  # (loaded first: their latency under the products)
     delta = gl.load(delta_row + queries)
     s_t = _times_transposed(k_smem, q, gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT))
     dp_t = _times_transposed(v_smem, do, gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT))
