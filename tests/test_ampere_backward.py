@@ -1,6 +1,6 @@
 """The fused backward for mma.sync GPUs (flash_attention_kernel/ampere_backward.py, ampere_route.py).
 
-On the A100 class, a dense bf16/fp16 backward at head dim 128 (causal or not, sinks) in full tiles
+On the A100 class, a dense bf16/fp16 backward at head dim 64 or 128 (causal or not, sinks) in full tiles
 that does not ask for determinism runs one Gluon kernel that adds dQ by atomics, FlashAttention-2's
 backward. Here on the CPU: the route's decisions (the GPU class made sm80), the planner's fused
 plan and the launcher's steps around the kernel (the preprocess kernel zeroing the accumulator, the
@@ -50,8 +50,8 @@ def _chosen(kernels, q, k, v, causal=False, **options):
 
 
 def test_route_takes_what_the_kernel_computes(kernels, monkeypatch):
-    """With the GPU class made sm80: dense bf16/fp16 head dim 128, causal or not, GQA, sinks, full
-    tiles, rows cp.async can copy; nothing else."""
+    """With the GPU class made sm80: dense bf16/fp16 head dim 64 or 128, causal or not, GQA, sinks,
+    full tiles (of each head dim's config), rows cp.async can copy; nothing else."""
     route = kernels.ampere_route
     monkeypatch.setattr(route, "gpu_class_name", lambda device: "sm80")
     q, k, v = _bshd(2, 256, 4), _bshd(2, 384, 2), _bshd(2, 384, 2)
@@ -65,7 +65,10 @@ def test_route_takes_what_the_kernel_computes(kernels, monkeypatch):
                     dict(dropout_p=0.1), dict(causal=True, window_left=64)):
         assert not _fits(kernels, q, k, v, **options), options
     assert not _fits(kernels, q.float(), k.float(), v.float())
-    assert not _fits(kernels, *(x[..., :64].contiguous() for x in (q, k, v)))  # (head dim 64: the tl kernels)
+    assert _fits(kernels, *(x[..., :64].contiguous() for x in (q, k, v)), causal=True)
+    for head_dim in (32, 80, 96):  # (no tiles for these: the tl kernels)
+        assert not _fits(kernels, *(x[..., :head_dim].contiguous() for x in (q, k, v))), head_dim
+    assert not _fits(kernels, *(x[:, :192, :, :64].contiguous() for x in (q, k, v)))  # (d64's 128-row tiles)
     assert not _fits(kernels, q[:, :224], k, v)  # a partial query tile
     assert not _fits(kernels, q, k[:, :320], v[:, :320])  # a partial key tile
     assert _fits(kernels, *(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)))  # (bhsd views)
@@ -136,6 +139,7 @@ def test_launcher_zeroes_and_converts_the_accumulator(fa, kernels, monkeypatch):
 
     monkeypatch.setattr(kernels.ampere_route, "chosen", lambda *args: True)
     monkeypatch.setattr(kernels.ampere_route, "launcher", lambda: stand_in)
+    monkeypatch.setattr(kernels.ampere_route, "config", lambda device, head_dim: None)  # (head dim 32: no tiles)
     monkeypatch.setattr(kernels.ampere_route, "gpu_class_name", lambda device: "sm80")
     q, k, v = _bshd(2, 64, 4, head_dim=32), _bshd(2, 128, 2, head_dim=32), _bshd(2, 128, 2, head_dim=32)
     dout = torch.randn_like(q)
@@ -154,7 +158,7 @@ head_dim, group, causal, dtype, gpu_class = int(args[0]), int(args[1]), args[2] 
 module = importlib.import_module(name + ".flash_attention_kernel.ampere_backward")
 configs = importlib.import_module(name + ".flash_attention_kernel.configs")
 function = module._backward_kernel
-config = configs.FUSED_BACKWARD[gpu_class]
+config = configs.FUSED_BACKWARD[gpu_class][head_dim]
 constants = dict(GROUP_SIZE=group, HEAD_DIM=head_dim, CAUSAL=causal, ROWS=config.query_tile, KEYS=config.key_tile,
                  S_GRID=config.warp_grids[0], KV_GRID=config.warp_grids[1], DQ_GRID=config.warp_grids[2])
 signature, attrs = {}, {}
@@ -176,13 +180,14 @@ limit = next(c.shared_memory for c in configs.GPU_CLASSES if c.name == gpu_class
 
 @pytest.mark.parametrize("head_dim, group, causal, dtype", [
     (128, 1, False, "bf16"), (128, 1, True, "bf16"), (128, 4, True, "fp16"), (128, 2, False, "fp16"),
+    (64, 1, False, "bf16"), (64, 2, True, "fp16"),
 ])
 @pytest.mark.parametrize("gpu_class", ["sm80"])
 def test_compiles_for_each_class(fa, head_dim, group, causal, dtype, gpu_class):
-    """The kernel compiles to an sm_80 cubin (mma.sync, cp.async) with each GPU class's tiles
-    (configs.FUSED_BACKWARD) within that class's shared memory under the installed Triton, no GPU
-    needed."""
-    assert gpu_class in fa.flash_attention_kernel.configs.FUSED_BACKWARD
+    """The kernel compiles to an sm_80 cubin (mma.sync, cp.async) with each GPU class's tiles at
+    each head dim (configs.FUSED_BACKWARD) within that class's shared memory under the installed
+    Triton, no GPU needed."""
+    assert head_dim in fa.flash_attention_kernel.configs.FUSED_BACKWARD[gpu_class]
     assert_compiles_for_ampere(fa, _KERNEL_SIGNATURE, head_dim, group, causal, dtype, gpu_class)
 
 
@@ -202,6 +207,11 @@ CASES = [
                                     for _ in range(3)), True),
     ("qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), False),
     ("long-causal", lambda dt: (_bshd(1, 1024, 2, dt), _bshd(1, 1024, 1, dt), _bshd(1, 1024, 1, dt)), True),
+    # head dim 64: query tiles of 128 rows
+    ("d64-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 64), _bshd(2, 384, 2, dt, 64), _bshd(2, 384, 2, dt, 64)), True),
+    ("d64-full", lambda dt: (_bshd(1, 512, 4, dt, 64), _bshd(1, 256, 4, dt, 64), _bshd(1, 256, 4, dt, 64)), False),
+    ("d64-more-queries-causal", lambda dt: (_bshd(2, 640, 2, dt, 64), _bshd(2, 256, 2, dt, 64),
+                                            _bshd(2, 256, 2, dt, 64)), True),
 ]
 
 

@@ -105,6 +105,8 @@ def gluon_fits(kernels, monkeypatch):
                         allowed_options=route.ALL_OPTIONS: not options.variant & ~allowed_options)
     stand_ins = {kernel: (lambda *args, kernel=kernel: kernel) for kernel in route.KERNELS}
     monkeypatch.setattr(route, "launcher", stand_ins.get)
+    # (an H100 for the A100 class's fused backward too, which an emulated A100 would route to)
+    monkeypatch.setattr(kernels.ampere_route, "gpu_class_name", lambda device: "sm90")
     return stand_ins
 
 

@@ -11,7 +11,8 @@ ask for determinism (``ampere_route``).
 One program per ``key_tile`` keys of one KV head; K and V stay in shared memory. It streams the
 (Q, dO) tiles of ``query_tile`` query rows of every query head of the group (GQA), double-buffered
 by cp.async, and per tile (the tiles and warp grids are the GPU class's
-``configs.FusedBackwardConfig``; in parentheses the A100 class's: 128 keys, 64 rows, 8 warps):
+``configs.FusedBackwardConfig``; in parentheses the A100 class's at head dim 128: 128 keys, 64 rows,
+8 warps; at 64 the tiles have 128 rows):
 
 * S^T = K Q^T and dP^T = V dO^T (each warp 32 keys x 32 queries), the head dim in steps of KCHUNK
   (16) read from shared memory per step (FlashAttention-2's warp grid: a grid of one column would
@@ -26,8 +27,9 @@ Math and conventions are the tl kernels' (lse includes a sink's term and rows wi
 P = 0; dK is scaled by softmax_scale at the end). The caller makes delta and zeroes the
 accumulator first (the preprocess kernel, ``ZERO_DQ``) and converts it after
 (``backward._dq_from_accumulator_kernel``). Full tiles only (``ampere_route.fits``). Shared
-memory at head dim 128 on the A100 class: K, V 2 x 32 KB, two (Q, dO) stages 64 KB, P^T and dS^T
-32 KB: 160 KB of its 163 (configs.GPU_CLASSES).
+memory on the A100 class: at head dim 128, K, V 2 x 32 KB, two (Q, dO) stages 64 KB, P^T and dS^T
+32 KB; at 64 (128-row tiles), K, V 2 x 16 KB, the stages 64 KB, P^T and dS^T 64 KB: 160 KB of
+its 163 (configs.GPU_CLASSES) either way.
 """
 
 from triton.experimental import gluon

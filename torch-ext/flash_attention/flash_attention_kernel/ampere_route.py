@@ -24,11 +24,6 @@ from .hopper_route import BACKWARD_MIN_SEQLEN_K, CHECKED_VERSIONS, load_kernel_m
 from .launch import SequenceLayout, device_gpu_class
 from .options import MASK_RIGHT, SINKS, AttentionOptions
 
-# The head dims it runs at (d64 through it was slower than the tl kernels,
-# docs/design.md#ampere-gluon-backward); the GPU classes it runs on are those
-# configs.FUSED_BACKWARD has tiles for (the A100 class: its tiles take 160 KB of shared memory at
-# d128, which the RTX class's 99 KB do not hold)
-HEAD_DIMS = (128,)
 # The options it applies: causal masking (the window (-1, 0)) or none, and sinks (through the
 # lse); a window, softcap, ALiBi or dropout keep the tl kernels
 OPTION_BITS = MASK_RIGHT | SINKS
@@ -48,8 +43,9 @@ def chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool,
 
 
 def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
-    """Whether the fused backward can run this call: a GPU of a class configs.FUSED_BACKWARD holds,
-    dense bf16 or fp16 at a head dim of HEAD_DIMS, full tiles (of the class's config), no option
+    """Whether the fused backward can run this call: a GPU class and head dim configs.FUSED_BACKWARD
+    has tiles for (the A100 class at d64 and d128: 160 KB of shared memory, where the RTX class
+    has 99; other head dims, d80 among them, were not tried), dense bf16 or fp16, full tiles, no option
     beyond causal masking and sinks, tensors whose rows cp.async reads 16 bytes at a time
     (``_copies_rows``), compiled (not interpreted, not traced by torch.compile: the graph keeps
     the tl kernels)."""
@@ -57,9 +53,9 @@ def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, t
         return False
     q = tensors[0]
     if (options.variant & ~OPTION_BITS or options.window not in WINDOWS or layout.is_varlen
-            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS):
+            or q.dtype not in (torch.float16, torch.bfloat16)):
         return False
-    config = configs.FUSED_BACKWARD.get(gpu_class_name(q.device))
+    config = configs.FUSED_BACKWARD.get(gpu_class_name(q.device), {}).get(q.shape[-1])
     if config is None or layout.seqlen_q % config.query_tile or layout.seqlen_k % config.key_tile:
         return False
     return all(_copies_rows(x) for x in tensors)
@@ -79,9 +75,9 @@ def gpu_class_name(device: torch.device):
     return device_gpu_class(device).name
 
 
-def config(device: torch.device) -> configs.FusedBackwardConfig:
-    """The fused backward's tiles on ``device``'s GPU class (a call ``fits`` there)."""
-    return configs.FUSED_BACKWARD[gpu_class_name(device)]
+def config(device: torch.device, head_dim: int) -> configs.FusedBackwardConfig:
+    """The fused backward's tiles on ``device``'s GPU class at ``head_dim`` (a call ``fits`` there)."""
+    return configs.FUSED_BACKWARD[gpu_class_name(device)][head_dim]
 
 
 def launcher():

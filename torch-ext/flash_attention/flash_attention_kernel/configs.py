@@ -352,8 +352,8 @@ GLUON_WINDOW_STAGES = {("bwd_dkdv", 64): 4, ("bwd_dkdv", 80): 4, ("bwd_dkdv", 96
 
 @dataclass(frozen=True)
 class FusedBackwardConfig:
-    """The fused backward's tiles on one GPU class (ampere_backward): ``key_tile`` keys per
-    program, ``query_tile`` query rows per streamed tile, ``num_warps``, and the warp grids
+    """The fused backward's tiles on one GPU class at one head dim (ampere_backward): ``key_tile``
+    keys per program, ``query_tile`` query rows per streamed tile, ``num_warps``, and the warp grids
     (``warp_grids``: the warps along the keys of S^T / dP^T, along the keys of dK / dV and along
     the rows of dQ, the rest of each along the other side)."""
 
@@ -363,9 +363,14 @@ class FusedBackwardConfig:
     warp_grids: tuple
 
 
-# The fused backward's config per GPU class (the classes it runs on: ampere_route), at head dim
-# 128: FlashAttention-2's A100 tiles and grids (160 KB of shared memory; docs/design.md#ampere-gluon-backward)
-FUSED_BACKWARD = {"sm80": FusedBackwardConfig(64, 128, 8, (4, 4, 2))}
+# The fused backward's config per GPU class and head dim (what it runs on: ampere_route), each
+# 160 KB of shared memory on the A100 class (docs/design.md#ampere-gluon-backward). d128:
+# FlashAttention-2's A100 tiles and grids. d64: query tiles of 128 rows, which halve the barriers
+# and copy waits per product against d128's 64 and ran 2-8 % faster than the split tl backward
+# from 4k tokens where 64-row tiles ran 2-12 % slower; 2 warps along the keys of S^T, which held
+# the causal kernel to 16 spilled bytes where 4 spilled 456 (stop 55)
+FUSED_BACKWARD = {"sm80": {128: FusedBackwardConfig(64, 128, 8, (4, 4, 2)),
+                           64: FusedBackwardConfig(128, 128, 8, (2, 4, 4))}}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
   mask).
 * tl otherwise, with ``launch.tl_launch`` (the config table's entry, warp-specialised or plain,
   through tensor descriptors or not). A pass the Gluon kernel runs gets no tl launch.
-* on the A100 class, the backward of a dense bf16/fp16 call at head dim 128, causal or not, in
+* on the A100 class, the backward of a dense bf16/fp16 call at head dim 64 or 128, causal or not, in
   full tiles, that does not ask for determinism: one Gluon kernel for both passes, dQ by atomics
   (``ampere_route.chosen``, ``ampere_backward``; ``BackwardPlan.fused``).
 * delta (rowsum(dO * O) - dlse, which both backward kernels read): fp32 inputs make it in the tl
@@ -111,7 +111,7 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     q = tensors[0]
     fused = ampere_route.launcher() if ampere_route.chosen(options, layout, interpreted, tensors) else None
     if fused is not None:
-        both = PassPlan(gluon=fused, gluon_config=ampere_route.config(q.device))
+        both = PassPlan(gluon=fused, gluon_config=ampere_route.config(q.device, q.shape[-1]))
         return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
     dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
