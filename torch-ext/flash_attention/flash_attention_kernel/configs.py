@@ -366,9 +366,9 @@ class FusedBackwardConfig:
 # The fused backward's config per GPU class and head dim (what it runs on: ampere_route), each
 # 160 KB of shared memory on the A100 class (docs/design.md#ampere-gluon-backward). d128:
 # FlashAttention-2's A100 tiles and grids. d64: query tiles of 128 rows, which halve the barriers
-# and copy waits per product against d128's 64 and ran 2-8 % faster than the split tl backward
-# from 4k tokens where 64-row tiles ran 2-12 % slower; 2 warps along the keys of S^T, which held
-# the causal kernel to 16 spilled bytes where 4 spilled 456 (stop 55)
+# and copy waits per product against d128's 64 and ran 2-11 % faster than the split tl backward
+# from 4k tokens (level at 2k) where 64-row tiles ran 4-8 % slower; 2 warps along the keys of S^T,
+# which held the causal kernel to 16 spilled bytes where 4 spilled 456 (stop 55)
 FUSED_BACKWARD = {"sm80": {128: FusedBackwardConfig(64, 128, 8, (4, 4, 2)),
                            64: FusedBackwardConfig(128, 128, 8, (2, 4, 4))}}
 
