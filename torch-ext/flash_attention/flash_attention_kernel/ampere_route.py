@@ -45,8 +45,8 @@ def chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool,
 def fits(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
     """Whether the fused backward can run this call: a GPU class and head dim configs.FUSED_BACKWARD
     has tiles for (the A100 class at d64 and d128: 160 KB of shared memory, where the RTX class
-    has 99; other head dims, d80 among them, were not tried), dense bf16 or fp16, full tiles, no option
-    beyond causal masking and sinks, tensors whose rows cp.async reads 16 bytes at a time
+    has 99; other head dims keep the tl kernels), dense bf16 or fp16, full tiles, no option beyond
+    causal masking and sinks, tensors whose rows cp.async reads 16 bytes at a time
     (``_copies_rows``), compiled (not interpreted, not traced by torch.compile: the graph keeps
     the tl kernels)."""
     if interpreted or any(is_fake(x) for x in tensors):
