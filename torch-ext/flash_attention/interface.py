@@ -23,7 +23,7 @@ return_attn_probs=True the functions return (out, softmax_lse, S_dmask): S_dmask
 dropout, else the probabilities (batch, nheads, seqlen_q, seqlen_k) with dropped entries negated.
 Every output and gradient is bitwise repeatable with ``deterministic=True``; with False (the
 default, as in flash-attn) the backward may add dQ by atomics where that is faster (the A100 class
-at head dim 128: docs/api.md#semantics), and is repeatable everywhere else.
+at head dims 64 and 128: docs/api.md#semantics), and is repeatable everywhere else.
 """
 
 from typing import Optional

@@ -39,8 +39,8 @@ ValueError naming the option instead when a ring engine's block loop calls it
 (``RING_ENGINE_MODULES``, over a process group of more than one rank); ring-flash-attn's llama3
 scheme gathers all the keys up to its queries, bottom-right aligned, so distances stay right there
 and it is not refused. ``deterministic`` means what it means in flash-attn: True keeps the
-backward bitwise repeatable (it is everywhere but on the A100 class at head dim 128, where False
-adds dQ by atomics, ``flash_attention_kernel.ampere_route``). ``zero_tensors`` (varlen) zeroes
+backward bitwise repeatable (it is everywhere but on the A100 class at head dims 64 and 128,
+where False adds dQ by atomics, ``flash_attention_kernel.ampere_route``). ``zero_tensors`` (varlen) zeroes
 what flash-attn's zeroes: the output rows of q past the last sequence (their lse -inf) and, in
 the backward, dq, dk, dv before the kernels write the sequences' rows. ``leftpad_k`` and
 ``seqused_k`` are not supported (NotImplementedError). Where flash-attn differs on purpose:

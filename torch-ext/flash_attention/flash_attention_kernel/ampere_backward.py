@@ -51,9 +51,9 @@ async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_gl
 def attention_backward_fused(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options: AttentionOptions,
                              layout: SequenceLayout, config: FusedBackwardConfig) -> None:
     """Write dK and dV and add softmax_scale * dQ to the zeroed fp32 ``dq_accumulator`` (shaped
-    like q) for a call the route gave this kernel, with the GPU class's ``config``; lse and delta
-    (batch, heads, seqlen_q) fp32, delta already computed. Launched directly: the route keeps
-    traced calls on the tl kernels."""
+    like q) for a call the route gave this kernel, with ``config``, its GPU class's tiles at its
+    head dim (configs.FUSED_BACKWARD); lse and delta (batch, heads, seqlen_q) fp32, delta already
+    computed. Launched directly: the route keeps traced calls on the tl kernels."""
     batch, _, num_heads, head_dim = q.shape
     num_heads_kv = k.shape[2]
     launcher(_backward_kernel)[(layout.seqlen_k // config.key_tile, num_heads_kv, batch)](

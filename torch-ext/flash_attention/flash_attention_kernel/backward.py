@@ -27,8 +27,8 @@ the gradients are
   take ``hopper_dkdv`` and ``hopper_dq`` instead: the same math in Gluon, with a producer warp and
   two consumer warpgroups that run out of step (FlashAttention-3's structure, ``hopper_gluon``).
   ``planner.plan_backward`` makes these choices (delta's source, each pass's kernel and config).
-* On the A100 class, dense bf16/fp16 calls at head dim 128 that do not ask for determinism take
-  one fused kernel for both passes, ``ampere_backward`` (dQ added to an fp32 accumulator by
+* On the A100 class, dense bf16/fp16 calls at head dim 64 or 128 that do not ask for determinism
+  take one fused kernel for both passes, ``ampere_backward`` (dQ added to an fp32 accumulator by
   atomics), between the preprocess kernel (delta, and the accumulator zeroed: ``ZERO_DQ``) and
   ``_dq_from_accumulator_kernel``.
 

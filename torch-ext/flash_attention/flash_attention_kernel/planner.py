@@ -25,9 +25,9 @@ A plan depends only on facts a call's signature holds (``plan_key``: the options
 which tensor options are set, the sequence layout's lengths, each tensor's type, shape, strides,
 dtype, device and 16-byte alignment, the environment switches, torch's determinism flag), so
 eager calls find it in a cache keyed by them (``_PLANS``, bounded by ``launch.remembered``)
-instead of deciding again: the decisions cost more host time than a short call's kernels (issue 41). Setting an override
-empties the cache; a config ``launch.launch_fitting`` stepped down is applied to a cached plan as
-it is to a new one (``launch.refitted``). Calls on other tensor types (fake tensors under
+instead of deciding again: the decisions cost more host time than a short call's kernels (issue
+41). Setting an override empties the cache; a config ``launch.launch_fitting`` stepped down is
+applied to a cached plan as it is to a new one (``launch.refitted``). Calls on other tensor types (fake tensors under
 torch.compile) are decided afresh each time.
 
 One hook overrides these decisions: ``configs.set_override(pass, config, warp_specialized,
