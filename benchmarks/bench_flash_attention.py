@@ -7,7 +7,10 @@ limit is raised so every shape really compiles instead of silently falling back 
 Grid (flash-attn's benchmark): batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / head_dim),
 head dim 64 and 128, seqlen 512 to 16k, causal and not, bf16 and fp16. Layout (batch, heads,
 seqlen, head_dim) for everyone. Times are triton.testing.do_bench medians; backward is timed
-alone (the forward graph is kept). FLOPs: forward 4 * B * H * N^2 * d, halved when causal;
+alone (the forward graph is kept). With ``--timing graph`` every call is captured in a CUDA graph
+and replayed (``triton.testing.do_bench_cudagraph``; the backward as forward + backward less the
+forward, see time_tflops): GPU time without the host's launch cost, where the default times calls
+as users make them, back to back. FLOPs: forward 4 * B * H * N^2 * d, halved when causal;
 backward 2.5x forward (5 matmuls; this kernel's atomic-free backward really does 7).
 
 Varlen rows: one batch of mixed lengths (drawn between 128 and 4k, 16k tokens in all, head dim
@@ -20,7 +23,7 @@ Writes one CSV and PNG per (direction, dtype, head dim, mask) to --out, and prin
 TFLOP/s with this kernel's ratio to each peer. The kernel is loaded as users load it: the built
 Hub variant through ``kernels`` (run scripts/build_variants.py first).
 
-Usage: python benchmarks/bench_flash_attention.py [--quick] [--out benchmarks/results]
+Usage: python benchmarks/bench_flash_attention.py [--quick] [--timing eager|graph] [--out benchmarks/results]
 """
 
 import argparse
@@ -82,13 +85,13 @@ class Attention:
         return sdpa
 
 
-def bench_one(attention, provider, direction, dtype, head_dim, causal, seqlen):
+def bench_one(attention, provider, direction, dtype, head_dim, causal, seqlen, timing="eager"):
     batch, heads = TOKENS // seqlen, HIDDEN // head_dim
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True)
                for _ in range(3))
     flops = attention_flops(batch, heads, seqlen, head_dim, causal, direction)
     try:
-        return time_tflops(attention.forward_fn(provider, q, k, v, causal), (q, k, v), flops, direction)
+        return time_tflops(attention.forward_fn(provider, q, k, v, causal), (q, k, v), flops, direction, timing)
     except RuntimeError as error:  # a backend without a kernel for this shape/dtype
         print(f"  {provider} {direction} {dtype} d{head_dim} N{seqlen}: unavailable ({str(error).splitlines()[0]})")
         return float("nan")
@@ -106,9 +109,23 @@ def mixed_lengths(total=TOKENS, low=128, high=4096, seed=0):
     return lengths
 
 
-def time_tflops(forward, leaves, flops, direction):
-    """TFLOP/s of ``forward()`` ("fwd"), or of the backward alone into ``leaves`` ("bwd": the
-    forward graph is built once and kept), from the do_bench median."""
+def time_tflops(forward, leaves, flops, direction, timing="eager"):
+    """TFLOP/s of ``forward()`` ("fwd"), or of the backward alone into ``leaves`` ("bwd"), from
+    the median of do_bench ("eager": the forward graph is built once and kept, the backward timed
+    alone) or of do_bench_cudagraph ("graph": GPU time of the replayed calls). A graph cannot
+    replay a backward alone: autograd runs each backward kernel on the stream its forward ran on,
+    which is not the capturing one, so "graph" times forward + backward and subtracts the forward."""
+    if timing == "graph":
+        def graph_ms(fn):
+            fn()
+            torch.cuda.synchronize()
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+        milliseconds = graph_ms(forward)
+        if direction == "bwd":
+            dout = torch.randn_like(forward())
+            milliseconds = graph_ms(lambda: torch.autograd.grad(forward(), leaves, dout)) - milliseconds
+        return flops / milliseconds * 1e-9
     fn = forward
     if direction == "bwd":
         out = forward()
@@ -184,6 +201,8 @@ def main(argv):
     parser.add_argument("--no-varlen", action="store_true", help="no mixed-length varlen table")
     parser.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS,
                         help="triton-fa (this kernel) and the peers to time")
+    parser.add_argument("--timing", choices=["eager", "graph"], default="eager",
+                        help="calls back to back as users make them, or replayed from a CUDA graph (GPU time)")
     args = parser.parse_args(argv)
     if args.quick:
         args.seqlens, args.head_dims, args.dtypes = [1024, 4096, 16384], [128], ["bf16"]
@@ -201,7 +220,7 @@ def main(argv):
 
         @triton.testing.perf_report(benchmark)
         def report(seqlen, provider, direction, dtype, head_dim, causal):
-            return bench_one(attention, provider, direction, DTYPES[dtype], head_dim, causal, seqlen)
+            return bench_one(attention, provider, direction, DTYPES[dtype], head_dim, causal, seqlen, args.timing)
 
         frames = report.run(save_path=str(args.out), print_data=False, return_df=True)
         frame = frames[0] if isinstance(frames, list) else frames
@@ -212,7 +231,8 @@ def main(argv):
 
     write_csv(args.out / "summary.csv", rows)
     print(f"\nwrote summary.csv, varlen.csv and one CSV/PNG per table to {args.out}")
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"timing {args.timing}")
 
 
 def write_csv(path, rows):
