@@ -42,7 +42,7 @@ def head_dim_table(fa, seqlen=4096, heads=16, tokens=16384):
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         rates[head_dim] = tuple(
-            time_tflops(lambda: fa.flash_attn_func(q, k, v), (q, k, v),
+            time_tflops(fa.flash_attn_func, (q, k, v),
                         attention_flops(batch, heads, seqlen, head_dim, False, direction), direction)
             for direction in ("fwd", "bwd"))
     print(f"\nhead dims (bf16, {heads} heads, N = {seqlen}, non-causal): TFLOP/s and ratio to the next power of two")

@@ -69,16 +69,16 @@ class Attention:
         self.flex = torch.compile(flex_attention, dynamic=False)
         self.create_block_mask = create_block_mask
 
-    def forward_fn(self, provider, q, k, v, causal):
+    def forward_fn(self, provider, causal, seqlen):
+        """provider's attention as a function of (q, k, v)."""
         if provider == "triton-fa":
-            return lambda: self.fa.flash_attention_forward(q, k, v, causal=causal)
+            return lambda q, k, v: self.fa.flash_attention_forward(q, k, v, causal=causal)
         if provider == "flex":
-            seqlen = q.shape[2]
             mask = self.create_block_mask(lambda b, h, i, j: i >= j, None, None, seqlen, seqlen) if causal else None
-            return lambda: self.flex(q, k, v, block_mask=mask)
+            return lambda q, k, v: self.flex(q, k, v, block_mask=mask)
         backend = PEERS[provider]
 
-        def sdpa():
+        def sdpa(q, k, v):
             with sdpa_kernel([backend]):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
@@ -91,7 +91,7 @@ def bench_one(attention, provider, direction, dtype, head_dim, causal, seqlen, t
                for _ in range(3))
     flops = attention_flops(batch, heads, seqlen, head_dim, causal, direction)
     try:
-        return time_tflops(attention.forward_fn(provider, q, k, v, causal), (q, k, v), flops, direction, timing)
+        return time_tflops(attention.forward_fn(provider, causal, seqlen), (q, k, v), flops, direction, timing)
     except RuntimeError as error:  # a backend without a kernel for this shape/dtype
         print(f"  {provider} {direction} {dtype} d{head_dim} N{seqlen}: unavailable ({str(error).splitlines()[0]})")
         return float("nan")
@@ -110,26 +110,29 @@ def mixed_lengths(total=TOKENS, low=128, high=4096, seed=0):
 
 
 def time_tflops(forward, leaves, flops, direction, timing="eager"):
-    """TFLOP/s of ``forward()`` ("fwd"), or of the backward alone into ``leaves`` ("bwd"), from
-    the median of do_bench ("eager": the forward graph is built once and kept, the backward timed
-    alone) or of do_bench_cudagraph ("graph": GPU time of the replayed calls). A graph cannot
-    replay a backward alone: autograd runs each backward kernel on the stream its forward ran on,
-    which is not the capturing one, so "graph" times forward + backward and subtracts the forward."""
+    """TFLOP/s of ``forward(*leaves)`` ("fwd"), or of the backward alone into ``leaves`` ("bwd"),
+    from the median of do_bench ("eager": the forward graph is built once and kept, the backward
+    timed alone) or of do_bench_cudagraph ("graph": GPU time of the replayed calls). A graph cannot
+    replay a backward alone (autograd runs each backward kernel on the stream its forward ran on,
+    which is not the capturing one), so "graph" times forward + backward into fresh leaves made in
+    the captured call, and subtracts the forward."""
+    dout = torch.randn_like(forward(*leaves))
     if timing == "graph":
         def graph_ms(fn):
-            fn()
             torch.cuda.synchronize()
             return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
-        milliseconds = graph_ms(forward)
+        def forward_backward():
+            fresh = [x.detach().requires_grad_() for x in leaves]
+            torch.autograd.grad(forward(*fresh), fresh, dout)
+
+        milliseconds = graph_ms(lambda: forward(*leaves))
         if direction == "bwd":
-            dout = torch.randn_like(forward())
-            milliseconds = graph_ms(lambda: torch.autograd.grad(forward(), leaves, dout)) - milliseconds
+            milliseconds = graph_ms(forward_backward) - milliseconds
         return flops / milliseconds * 1e-9
-    fn = forward
+    fn = lambda: forward(*leaves)  # noqa: E731
     if direction == "bwd":
-        out = forward()
-        dout = torch.randn_like(out)
+        out = forward(*leaves)
         fn = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)  # noqa: E731
     fn()
     return flops / triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-9
@@ -153,19 +156,19 @@ def bench_varlen(fa, head_dim=128, dtype=torch.bfloat16):
             uniform = [torch.randn(batch, heads, mean, head_dim, device="cuda", dtype=dtype, requires_grad=True)
                        for _ in range(3)]
 
-            def sdpa_padded():
+            def sdpa_padded(*tensors):
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                    return torch.nn.functional.scaled_dot_product_attention(*padded, is_causal=causal)
+                    return torch.nn.functional.scaled_dot_product_attention(*tensors, is_causal=causal)
 
             row = dict(direction=direction, causal=causal, tokens=sum(lengths), sequences=batch, longest=longest)
             row["varlen"] = time_tflops(
-                lambda: fa.flash_attn_varlen_func(*packed, cu, cu, longest, longest, causal=causal),
+                lambda *tensors: fa.flash_attn_varlen_func(*tensors, cu, cu, longest, longest, causal=causal),
                 packed, real_flops, direction)
             row["padded"] = time_tflops(
-                lambda: fa.flash_attention_forward(*padded, causal=causal), padded, real_flops, direction)
+                lambda *tensors: fa.flash_attention_forward(*tensors, causal=causal), padded, real_flops, direction)
             row["sdpa-flash-padded"] = time_tflops(sdpa_padded, padded, real_flops, direction)
             row["dense-uniform"] = time_tflops(
-                lambda: fa.flash_attention_forward(*uniform, causal=causal), uniform,
+                lambda *tensors: fa.flash_attention_forward(*tensors, causal=causal), uniform,
                 attention_flops(batch, heads, mean, head_dim, causal, direction), direction)
             rows.append(row)
     print("direction  mask    varlen  padded  sdpa-flash-padded  dense-uniform   x sdpa-flash-padded  x dense-uniform")

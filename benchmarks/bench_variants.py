@@ -224,7 +224,9 @@ def time_provider(provider, make_call, variant, seqlen):
     try:
         forward, leaves = make_call(variant, seqlen)
         for direction in DIRECTIONS:
-            rates[direction] = time_tflops(forward, leaves, attention_flops(variant, seqlen, direction), direction)
+            # (eager timing: each call closes over its leaves, which time_tflops passes it and it ignores)
+            rates[direction] = time_tflops(lambda *_: forward(), leaves, attention_flops(variant, seqlen, direction),
+                                           direction)
     except Exception as error:  # an option not built, a peer that fails to compile or run, out of memory
         lines = str(error).strip().splitlines()
         print(f"  {provider} {variant.name} {mask_label(variant.causal)} N={seqlen} {DIRECTIONS[len(rates)]}:"

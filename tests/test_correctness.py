@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICE
 from inputs import gradients, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, attention_ref, run_ref
-from sizes import BF16, DTYPES, HEAD_DIMS, HEADS, LONG_SEQLENS, SEQLENS
+from sizes import BF16, DTYPES, HEAD_DIMS, HEADS, LONG_SEQLENS, ON_GPU, SEQLENS
 
 
 def check_against_reference(fa, q, k, v, causal, softmax_scale=None):
@@ -58,6 +58,19 @@ def test_head_dims(fa, head_dim, dtype):
     seqlen_q, seqlen_k = LONG_SEQLENS
     q, k, v = random_qkv((1, seqlen_q, 2, head_dim), (1, seqlen_k, 1, head_dim), dtype)
     check_against_reference(fa, q, k, v, causal=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the short-sequence entries serve compiled kernels; the interpreter has its own tiles")
+def test_short_sequence_entries(fa):
+    """Each entry of this GPU's short-sequence buckets (configs.SEQLEN_BUCKETS: the tiles calls of
+    at most 1024 or 2048 rows take), at the bucket's longest keys and one query row fewer (a
+    ragged tile), with its head dim and mask: the suite's other lengths miss the 2048 bucket."""
+    kernels = fa.flash_attention_kernel
+    gpu = kernels.launch.device_gpu_class(torch.device(DEVICE)).name
+    for bucket, entries in kernels.configs.TABLES[gpu].short.items():
+        for head_dim, mask in sorted({(head_dim, mask) for _, head_dim, mask in entries}):
+            q, k, v = random_qkv((1, bucket - 1, 2, head_dim), (1, bucket, 1, head_dim), BF16)
+            check_against_reference(fa, q, k, v, causal=mask == "causal")
 
 
 @pytest.mark.parametrize("softmax_scale", [0.05, 1.0, 3.0])
