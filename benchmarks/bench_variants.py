@@ -224,7 +224,7 @@ def time_provider(provider, make_call, variant, seqlen):
     try:
         forward, leaves = make_call(variant, seqlen)
         for direction in DIRECTIONS:
-            # (eager timing: each call closes over its leaves, which time_tflops passes it and it ignores)
+            # (this script's calls close over their leaves, so they take none: eager timing only)
             rates[direction] = time_tflops(lambda *_: forward(), leaves, attention_flops(variant, seqlen, direction),
                                            direction)
     except Exception as error:  # an option not built, a peer that fails to compile or run, out of memory

@@ -60,7 +60,7 @@ def test_head_dims(fa, head_dim, dtype):
     check_against_reference(fa, q, k, v, causal=True)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the short-sequence entries serve compiled kernels; the interpreter has its own tiles")
+@pytest.mark.skipif(not ON_GPU, reason="the short-sequence entries serve compiled kernels (the interpreter has its own)")
 def test_short_sequence_entries(fa):
     """Each entry of this GPU's short-sequence buckets (configs.SEQLEN_BUCKETS: the tiles calls of
     at most 1024 or 2048 rows take), at the bucket's longest keys and one query row fewer (a
