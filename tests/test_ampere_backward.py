@@ -83,7 +83,7 @@ def test_route_declines_what_asks_for_determinism(kernels, monkeypatch):
     an override of a backward pass and short calls keep the tl kernels."""
     route = kernels.ampere_route
     monkeypatch.setattr(route, "gpu_class_name", lambda device: "sm80")
-    monkeypatch.setattr(route.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(kernels.hopper_route.triton, "__version__", "3.6.0")  # (gluon_setting reads it)
     q, k, v = _bshd(1, 256, 2), _bshd(1, 256, 2), _bshd(1, 256, 2)
     assert _chosen(kernels, q, k, v, causal=True)
     assert not _chosen(kernels, q, k, v, causal=True, deterministic=True)
@@ -94,7 +94,7 @@ def test_route_declines_what_asks_for_determinism(kernels, monkeypatch):
     finally:
         torch.use_deterministic_algorithms(previous)
     assert not _chosen(kernels, q[:, :128], k[:, :128], v[:, :128])  # (below BACKWARD_MIN_SEQLEN_K)
-    monkeypatch.setattr(route.triton, "__version__", "3.5.1")  # (not a checked release)
+    monkeypatch.setattr(kernels.hopper_route.triton, "__version__", "3.5.1")  # (not a checked release)
     assert not _chosen(kernels, q, k, v)
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
     assert _chosen(kernels, q, k, v) and _chosen(kernels, q[:, :128], k[:, :128], v[:, :128])

@@ -6,21 +6,18 @@ bitwise repeatable, so it takes only calls that do not ask for determinism (``de
 flash-attn's default, and ``torch.use_deterministic_algorithms`` off); the others keep the tl
 kernels, whose every gradient is repeatable.
 
-``chosen`` asks: the kernels enabled (FLASH_ATTENTION_GLUON, not "0"; a Triton in
-hopper_route.CHECKED_VERSIONS unless it is "1"), no override of a backward pass
+``chosen`` asks: the kernels enabled (``hopper_route.gluon_setting``: FLASH_ATTENTION_GLUON not
+"0", a Triton in hopper_route.CHECKED_VERSIONS unless it is "1"), no override of a backward pass
 (configs.set_override: the override's kernel runs), and the call ``fits``. Its module is imported
 on first use like the Hopper kernels' (``hopper_route.load_kernel_module``: one warning and the tl
 kernels where a Triton's Gluon cannot build it).
 """
 
-import os
-
 import torch
-import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from . import configs
-from .hopper_route import BACKWARD_MIN_SEQLEN_K, CHECKED_VERSIONS, load_kernel_module
+from .hopper_route import BACKWARD_MIN_SEQLEN_K, gluon_setting, load_kernel_module
 from .launch import SequenceLayout, device_gpu_class
 from .options import MASK_RIGHT, SINKS, AttentionOptions
 
@@ -32,10 +29,10 @@ WINDOWS = ((-1, -1), (-1, 0))
 
 def chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
     """Whether the fused backward runs this call (``tensors``: q, k, v, dout) (module docstring)."""
-    setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
-    if setting == "0" or options.deterministic or torch.are_deterministic_algorithms_enabled():
+    if options.deterministic or torch.are_deterministic_algorithms_enabled():
         return False
-    if setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS):
+    setting = gluon_setting()
+    if setting is None:
         return False
     if any(configs.overridden_implementation(kernel) is not None for kernel in ("bwd_dq", "bwd_dkdv")):
         return False

@@ -61,14 +61,23 @@ def chosen(kernel: str, options: AttentionOptions, layout: SequenceLayout, inter
     ``fits``, with options the kernel is chosen for, and, unless FLASH_ATTENTION_GLUON=1, is
     ``long_enough``. The dQ kernel is not chosen for dropout without causal masking, where the tl
     kernel is 4% faster (the Philox draws weigh more against its products, docs/design.md#gluon-dq)."""
-    setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
-    if setting == "0" or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
-        return False
-    if setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS):
+    setting = gluon_setting()
+    if setting is None or os.environ.get("FLASH_ATTENTION_TMA", "") == "0":
         return False
     allowed = ALL_OPTIONS & ~(DROPOUT if kernel == "bwd_dq" and not options.causal else 0)
     return fits(kernel, options, layout, interpreted, tensors, allowed) and (
         setting == "1" or long_enough(kernel, options, layout, tensors[0].shape[-1]))
+
+
+def gluon_setting():
+    """FLASH_ATTENTION_GLUON's value where the Gluon kernels may run ("1": on under any Triton and
+    for short calls too; anything else but "0": the default route), or None where they may not
+    (it is "0", or the Triton is not in CHECKED_VERSIONS and it is not "1"). The Hopper kernels'
+    route and the fused backward's (ampere_route) both ask it."""
+    setting = os.environ.get("FLASH_ATTENTION_GLUON", "")
+    if setting == "0" or (setting != "1" and not triton.__version__.startswith(CHECKED_VERSIONS)):
+        return None
+    return setting
 
 
 def long_enough(kernel: str, options: AttentionOptions, layout: SequenceLayout, head_dim: int) -> bool:

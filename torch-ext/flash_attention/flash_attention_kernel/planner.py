@@ -23,12 +23,13 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
 
 A plan depends only on facts a call's signature holds (``plan_key``: the options' scalars and
 which tensor options are set, the sequence layout's lengths, each tensor's type, shape, strides,
-dtype, device and 16-byte alignment, the environment switches, torch's determinism flag), so
-eager calls find it in a cache keyed by them (``_PLANS``, bounded by ``launch.remembered``)
-instead of deciding again: the decisions cost more host time than a short call's kernels (issue
-41). Setting an override empties the cache; a config ``launch.launch_fitting`` stepped down is
-applied to a cached plan as it is to a new one (``launch.refitted``). Calls on other tensor types (fake tensors under
-torch.compile) are decided afresh each time.
+dtype, device and 16-byte alignment, ``launch_environment``: the environment switches and torch's
+determinism flag), so eager calls find it in a cache keyed by them (``_PLANS``, bounded by
+``launch.remembered``) instead of deciding again: the decisions cost more host time than a short
+call's kernels (issue 41). Setting an override empties the cache; a config
+``launch.launch_fitting`` stepped down is applied to a cached plan as it is to a new one
+(``launch.refitted``). Calls on other tensor types (fake tensors under torch.compile) are decided
+afresh each time.
 
 One hook overrides these decisions: ``configs.set_override(pass, config, warp_specialized,
 implementation)`` forces, for every launch of a pass (fwd, bwd_dq, bwd_dkdv, decode), the tl or
@@ -146,8 +147,8 @@ def plan_key(kind: str, options: AttentionOptions, layout: SequenceLayout, inter
     if not all(type(x) in PLAIN_TENSORS for x in tensors):
         return None
     return (kind, interpreted, options.variant, options.causal, options.window, options.softcap, options.dropout_p > 0,
-            options.deterministic or torch.are_deterministic_algorithms_enabled(), layout.is_varlen,
-            layout.seqlen_q, layout.seqlen_k, layout.page_size, *switches(),
+            options.deterministic, layout.is_varlen, layout.seqlen_q, layout.seqlen_k, layout.page_size,
+            *launch_environment(),
             *[(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) for x in tensors])
 
 
@@ -161,6 +162,14 @@ def switches() -> tuple:
     if _ENVIRON_DATA is None or _SWITCH_KEYS is None:  # (a Python whose os.environ differs: the public way)
         return tuple(os.environ.get(name) for name in SWITCHES)
     return tuple(map(_ENVIRON_DATA.get, _SWITCH_KEYS))
+
+
+def launch_environment() -> tuple:
+    """What outside a call's arguments changes what it launches: the switches' values (in SWITCHES'
+    order, so replay.py can index them) and torch.are_deterministic_algorithms_enabled(), which
+    keeps the backward off the fused kernel (ampere_route). The plan cache and replay.py's prepared
+    calls key by it."""
+    return (*switches(), torch.are_deterministic_algorithms_enabled())
 
 
 def _refitted_pass(plan: PassPlan) -> PassPlan:

@@ -10,8 +10,8 @@ signature and keeps the result:
 * The signature (``signature``) is what the launches can depend on: each tensor argument's
   type, shape, strides, dtype, device and 16-byte alignment, which tensor arguments are the same
   memory (equal data pointers), every other argument by value (AttentionOptions by its scalars
-  and its tensors as tensors), the environment switches (``planner.switches``) and
-  torch.are_deterministic_algorithms_enabled() (which the backward's route reads); the device
+  and its tensors as tensors) and ``planner.launch_environment`` (the environment switches and
+  torch's determinism flag, which the backward's route reads); the device
   is the tensors' (the launchers run under launch.on_tensor_device, which makes it current).
 * The first call of a signature runs the launcher as it is (a signature that never comes again,
   such as a varlen batch's max_seqlen or a decode step's int cache_seqlen, costs one dict entry).
@@ -52,7 +52,7 @@ from . import configs
 from .direct_launch import CHECKED_TRITON, launch_hooked, recording, recording_launches
 from .launch import MAX_REMEMBERED, PLAIN_TENSORS, ensure_scratch_allocator, identity_wrap
 from .options import AttentionOptions
-from .planner import SWITCHES, switches
+from .planner import SWITCHES, launch_environment
 
 _aten = torch.ops.aten
 _ALLOCATING = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
@@ -60,7 +60,7 @@ _ALLOCATING = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.emp
 _REPLAY_SWITCH = SWITCHES.index("FLASH_ATTENTION_REPLAY")
 _DIRECT_SWITCH = SWITCHES.index("FLASH_ATTENTION_DIRECT_LAUNCH")
 _DIRECT_TRITON = triton.__version__.startswith(CHECKED_TRITON)  # (direct launches exist under this Triton)
-_OFF = ("0", b"0")  # (switches() gives os.environ's bytes where it can)
+_OFF = ("0", b"0")  # (planner.switches gives os.environ's bytes where it can)
 _SEEN = object()  # a signature called once
 _NOT_REPLAYABLE = object()  # a signature whose record could not be prepared
 _PREPARED_CALLS = []  # every replayed launcher's cache, emptied by an override
@@ -76,8 +76,7 @@ def replayed(launcher):
     def call(*args, wrap_kernel=identity_wrap, **kwargs):
         if wrap_kernel is not identity_wrap or launch_hooked() or recording():  # (inside a record: its launches)
             return launcher(*args, wrap_kernel=wrap_kernel, **kwargs)
-        # (the switches, and torch's determinism flag: the fused backward is chosen by it, ampere_route)
-        environment = (*switches(), torch.are_deterministic_algorithms_enabled())
+        environment = launch_environment()
         if not _DIRECT_TRITON or environment[_REPLAY_SWITCH] in _OFF or environment[_DIRECT_SWITCH] in _OFF:
             return launcher(*args, **kwargs)  # (without direct launches no record could be replayed)
         tensors = []
