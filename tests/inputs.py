@@ -12,6 +12,12 @@ def random_qkv(q_shape, kv_shape, dtype=torch.float16, requires_grad=False):
                  for shape in (q_shape, kv_shape, kv_shape))
 
 
+def bshd(batch, seqlen, heads, dtype=torch.bfloat16, head_dim=128):
+    """A standard normal (batch, seqlen, heads, head_dim) tensor on the test device (q, k, v or dout
+    in flash-attn's dense layout)."""
+    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=DEVICE)
+
+
 def cu_seqlens(lengths):
     """int32 (len(lengths) + 1,) offsets of sequences packed back to back."""
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)

@@ -17,6 +17,7 @@ import torch
 
 from conftest import DEVICE, ON_GPU
 from gluon_compile import assert_compiles_for_ampere
+from inputs import bshd
 from reference import BWD_FACTOR, assert_within_bar, run_ref
 from sizes import BF16
 
@@ -31,10 +32,6 @@ def kernels(fa):
     kernels.planner._PLANS.clear()
     yield kernels
     kernels.planner._PLANS.clear()
-
-
-def _bshd(batch, seqlen, heads, dtype=BF16, head_dim=128):
-    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=DEVICE)
 
 
 def _fits(kernels, q, k, v, causal=False, interpreted=False, **options):
@@ -54,7 +51,7 @@ def test_route_takes_what_the_kernel_computes(kernels, monkeypatch):
     full tiles (of each head dim's config), rows cp.async can copy; nothing else."""
     route = kernels.ampere_route
     monkeypatch.setattr(route, "gpu_class_name", lambda device: "sm80")
-    q, k, v = _bshd(2, 256, 4), _bshd(2, 384, 2), _bshd(2, 384, 2)
+    q, k, v = bshd(2, 256, 4), bshd(2, 384, 2), bshd(2, 384, 2)
     assert _fits(kernels, q, k, v) and _fits(kernels, q, k, v, causal=True)
     assert _fits(kernels, q.half(), k.half(), v.half(), causal=True)
     assert _fits(kernels, q, k, v, causal=True, sinks=torch.zeros(4, device=DEVICE))
@@ -84,7 +81,7 @@ def test_route_declines_what_asks_for_determinism(kernels, monkeypatch):
     route = kernels.ampere_route
     monkeypatch.setattr(route, "gpu_class_name", lambda device: "sm80")
     monkeypatch.setattr(kernels.hopper_route.triton, "__version__", "3.6.0")  # (gluon_setting reads it)
-    q, k, v = _bshd(1, 256, 2), _bshd(1, 256, 2), _bshd(1, 256, 2)
+    q, k, v = bshd(1, 256, 2), bshd(1, 256, 2), bshd(1, 256, 2)
     assert _chosen(kernels, q, k, v, causal=True)
     assert not _chosen(kernels, q, k, v, causal=True, deterministic=True)
     previous = torch.are_deterministic_algorithms_enabled()
@@ -109,8 +106,8 @@ def test_deterministic_reaches_the_backward(fa, kernels, monkeypatch):
     op and autograd, and through the private entry point ring engines call)."""
     seen = []
     monkeypatch.setattr(kernels.ampere_route, "chosen", lambda options, *args: seen.append(options.deterministic))
-    q, k, v = (x.requires_grad_() for x in (_bshd(1, 64, 2, head_dim=32), _bshd(1, 64, 2, head_dim=32),
-                                            _bshd(1, 64, 2, head_dim=32)))
+    q, k, v = (x.requires_grad_() for x in (bshd(1, 64, 2, head_dim=32), bshd(1, 64, 2, head_dim=32),
+                                            bshd(1, 64, 2, head_dim=32)))
     for deterministic in (False, True):
         fa.flash_attn_func(q, k, v, causal=True, deterministic=deterministic).sum().backward()
     out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True)
@@ -141,7 +138,7 @@ def test_launcher_zeroes_and_converts_the_accumulator(fa, kernels, monkeypatch):
     monkeypatch.setattr(kernels.ampere_route, "launcher", lambda: stand_in)
     monkeypatch.setattr(kernels.ampere_route, "config", lambda device, head_dim: None)  # (head dim 32: no tiles)
     monkeypatch.setattr(kernels.ampere_route, "gpu_class_name", lambda device: "sm80")
-    q, k, v = _bshd(2, 64, 4, head_dim=32), _bshd(2, 128, 2, head_dim=32), _bshd(2, 128, 2, head_dim=32)
+    q, k, v = bshd(2, 64, 4, head_dim=32), bshd(2, 128, 2, head_dim=32), bshd(2, 128, 2, head_dim=32)
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = fa.flash_attn_func(*leaves, causal=True)
@@ -199,19 +196,19 @@ def _gradients(fa, q, k, v, dout, causal, deterministic, **options):
 
 # (name, q, k, v builders, causal)
 CASES = [
-    ("gqa-causal", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True),
-    ("gqa4-full", lambda dt: (_bshd(1, 384, 8, dt), _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)), False),
-    ("fewer-queries-causal", lambda dt: (_bshd(2, 128, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)), True),
-    ("more-queries-causal", lambda dt: (_bshd(2, 448, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True),
-    ("bhsd-views", lambda dt: tuple(_bshd(2, 256, 3, dt).transpose(1, 2).contiguous().transpose(1, 2)
+    ("gqa-causal", lambda dt: (bshd(2, 256, 4, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)), True),
+    ("gqa4-full", lambda dt: (bshd(1, 384, 8, dt), bshd(1, 384, 2, dt), bshd(1, 384, 2, dt)), False),
+    ("fewer-queries-causal", lambda dt: (bshd(2, 128, 2, dt), bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)), True),
+    ("more-queries-causal", lambda dt: (bshd(2, 448, 2, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)), True),
+    ("bhsd-views", lambda dt: tuple(bshd(2, 256, 3, dt).transpose(1, 2).contiguous().transpose(1, 2)
                                     for _ in range(3)), True),
-    ("qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), False),
-    ("long-causal", lambda dt: (_bshd(1, 1024, 2, dt), _bshd(1, 1024, 1, dt), _bshd(1, 1024, 1, dt)), True),
+    ("qkv-packed", lambda dt: bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), False),
+    ("long-causal", lambda dt: (bshd(1, 1024, 2, dt), bshd(1, 1024, 1, dt), bshd(1, 1024, 1, dt)), True),
     # head dim 64: query tiles of 128 rows
-    ("d64-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 64), _bshd(2, 384, 2, dt, 64), _bshd(2, 384, 2, dt, 64)), True),
-    ("d64-full", lambda dt: (_bshd(1, 512, 4, dt, 64), _bshd(1, 256, 4, dt, 64), _bshd(1, 256, 4, dt, 64)), False),
-    ("d64-more-queries-causal", lambda dt: (_bshd(2, 640, 2, dt, 64), _bshd(2, 256, 2, dt, 64),
-                                            _bshd(2, 256, 2, dt, 64)), True),
+    ("d64-gqa-causal", lambda dt: (bshd(2, 256, 4, dt, 64), bshd(2, 384, 2, dt, 64), bshd(2, 384, 2, dt, 64)), True),
+    ("d64-full", lambda dt: (bshd(1, 512, 4, dt, 64), bshd(1, 256, 4, dt, 64), bshd(1, 256, 4, dt, 64)), False),
+    ("d64-more-queries-causal", lambda dt: (bshd(2, 640, 2, dt, 64), bshd(2, 256, 2, dt, 64),
+                                            bshd(2, 256, 2, dt, 64)), True),
 ]
 
 
@@ -237,7 +234,7 @@ def test_matches_reference_and_tl_kernels(fa, kernels, name, make, causal, dtype
 def test_sinks_and_lse_gradient(fa, kernels):
     """Sinks reach the kernel through the lse (dsinks from delta), and a loss on the lse through
     delta (the preprocess kernel's dlse term)."""
-    q, k, v = _bshd(2, 256, 4), _bshd(2, 256, 2), _bshd(2, 256, 2)
+    q, k, v = bshd(2, 256, 4), bshd(2, 256, 2), bshd(2, 256, 2)
     sinks = torch.randn(4, device=DEVICE)
     dout = torch.randn_like(q)
     assert _chosen(kernels, q, k, v, True, sinks=sinks)

@@ -22,14 +22,11 @@ import triton
 
 from conftest import ON_GPU
 from gluon_compile import assert_compiles_for_hopper, gluon_module
+from inputs import bshd
 from reference import BWD_FACTOR, assert_within_bar, run_ref
 from sizes import BF16
 
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
-
-
-def _bshd(batch, seqlen, heads, dtype, head_dim=128):
-    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda" if ON_GPU else "cpu")
 
 
 def _routed_to_gluon(fa, q, k, v, causal=False, **options):
@@ -48,7 +45,7 @@ def _taken(fa, q, k, v, causal=False, **options):
 
 
 def test_taken_only_where_they_can_work(fa, monkeypatch):
-    q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 256, 2, BF16), _bshd(2, 256, 2, BF16)
+    q, k, v = bshd(2, 256, 4, BF16), bshd(2, 256, 2, BF16), bshd(2, 256, 2, BF16)
     checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_route.CHECKED_VERSIONS)
     assert _taken(fa, q, k, v, causal=True) == (ON_HOPPER and checked)
     assert _taken(fa, q, k, v, softcap=30.0) == (ON_HOPPER and checked)
@@ -134,36 +131,36 @@ def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
 
 
 def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
-    return _bshd(batch, heads, seqlen, dtype, head_dim).transpose(1, 2)
+    return bshd(batch, heads, seqlen, dtype, head_dim).transpose(1, 2)
 
 
 # (name, q, k, v builders, causal, which Gluon kernels take it: (dK/dV, dQ))
 CASES = [
-    ("gqa-causal", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True,
+    ("gqa-causal", lambda dt: (bshd(2, 256, 4, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)), True,
      (True, True)),
-    ("gqa4-full", lambda dt: (_bshd(1, 384, 8, dt), _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)), False,
+    ("gqa4-full", lambda dt: (bshd(1, 384, 8, dt), bshd(1, 384, 2, dt), bshd(1, 384, 2, dt)), False,
      (True, True)),
-    ("fewer-queries-causal", lambda dt: (_bshd(2, 128, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)), True,
+    ("fewer-queries-causal", lambda dt: (bshd(2, 128, 2, dt), bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)), True,
      (True, True)),
-    ("more-queries-causal", lambda dt: (_bshd(2, 384, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True,
+    ("more-queries-causal", lambda dt: (bshd(2, 384, 2, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)), True,
      (True, True)),  # (the first 128 rows see no key)
-    ("short-keys-causal", lambda dt: (_bshd(2, 256, 2, dt), _bshd(2, 192, 2, dt), _bshd(2, 192, 2, dt)), True,
+    ("short-keys-causal", lambda dt: (bshd(2, 256, 2, dt), bshd(2, 192, 2, dt), bshd(2, 192, 2, dt)), True,
      (False, True)),
-    ("odd-query-tile-causal", lambda dt: (_bshd(2, 448, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), True,
+    ("odd-query-tile-causal", lambda dt: (bshd(2, 448, 2, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)), True,
      (True, False)),
     ("bhsd-view", lambda dt: (_bhsd_view(2, 128, 3, dt), _bhsd_view(2, 256, 3, dt), _bhsd_view(2, 256, 3, dt)),
      True, (True, True)),
-    ("qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), False, (True, True)),
-    ("d64-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 64), _bshd(2, 384, 1, dt, 64), _bshd(2, 384, 1, dt, 64)),
+    ("qkv-packed", lambda dt: bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), False, (True, True)),
+    ("d64-gqa-causal", lambda dt: (bshd(2, 256, 4, dt, 64), bshd(2, 384, 1, dt, 64), bshd(2, 384, 1, dt, 64)),
      True, (True, True)),
-    ("d64-more-queries", lambda dt: (_bshd(1, 320, 4, dt, 64), _bshd(1, 256, 2, dt, 64), _bshd(1, 256, 2, dt, 64)),
+    ("d64-more-queries", lambda dt: (bshd(1, 320, 4, dt, 64), bshd(1, 256, 2, dt, 64), bshd(1, 256, 2, dt, 64)),
      True, (True, False)),
     # (head dims held as two chunks, 64 + 32 and 64 + 16: hopper_gluon.tile_arguments)
-    ("d96-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 96), _bshd(2, 384, 2, dt, 96), _bshd(2, 384, 2, dt, 96)),
+    ("d96-gqa-causal", lambda dt: (bshd(2, 256, 4, dt, 96), bshd(2, 384, 2, dt, 96), bshd(2, 384, 2, dt, 96)),
      True, (True, True)),
-    ("d80-gqa4-full", lambda dt: (_bshd(1, 384, 8, dt, 80), _bshd(1, 384, 2, dt, 80), _bshd(1, 384, 2, dt, 80)),
+    ("d80-gqa4-full", lambda dt: (bshd(1, 384, 8, dt, 80), bshd(1, 384, 2, dt, 80), bshd(1, 384, 2, dt, 80)),
      False, (True, True)),
-    ("d96-qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt, 96).unflatten(2, (3, 2)).unbind(2), False, (True, True)),
+    ("d96-qkv-packed", lambda dt: bshd(2, 256, 3 * 2, dt, 96).unflatten(2, (3, 2)).unbind(2), False, (True, True)),
     ("d80-bhsd-more-queries", lambda dt: (_bhsd_view(2, 384, 3, dt, 80), _bhsd_view(2, 256, 3, dt, 80),
                                           _bhsd_view(2, 256, 3, dt, 80)), True, (True, True)),
 ]
@@ -200,7 +197,7 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, ta
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
 def test_sinks_and_repeatability(fa, monkeypatch):
     """Sinks reach the kernels through the lse only; the gradients are bitwise repeatable."""
-    q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 256, 2, BF16), _bshd(2, 256, 2, BF16)
+    q, k, v = bshd(2, 256, 4, BF16), bshd(2, 256, 2, BF16), bshd(2, 256, 2, BF16)
     sinks = torch.randn(4, device=q.device)
     dout = torch.randn_like(q)
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
@@ -283,8 +280,8 @@ def test_windows_and_alibi(fa, monkeypatch, name, shape, options):
     """Window bounds and ALiBi in both Gluon kernels: the float64 bar, agreement with the tl
     kernels' gradients, bitwise repeatability (with dropout: the forward's mask, from S_dmask)."""
     batch, seqlen_q, seqlen_k, heads, kv_heads = shape
-    q, k, v = _bshd(batch, seqlen_q, heads, BF16), _bshd(batch, seqlen_k, kv_heads, BF16), \
-        _bshd(batch, seqlen_k, kv_heads, BF16)
+    q, k, v = bshd(batch, seqlen_q, heads, BF16), bshd(batch, seqlen_k, kv_heads, BF16), \
+        bshd(batch, seqlen_k, kv_heads, BF16)
     q = q * 2 if options.get("softcap") else q  # (scores past the cap)
     options = dict(options)
     stand_ins = {"slopes": torch.rand(heads, device=q.device) * 0.3 + 0.02,

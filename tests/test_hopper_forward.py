@@ -22,15 +22,12 @@ import triton
 
 from conftest import ON_GPU
 from gluon_compile import assert_compiles_for_hopper, gluon_module
+from inputs import bshd
 from reference import FWD_FACTOR, assert_within_bar, attention_ref
 from sizes import BF16
 
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-def _bshd(batch, seqlen, heads, dtype, head_dim=128):
-    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=DEVICE)
 
 
 def _routed_to_gluon(fa, q, k, v, causal=False, **options):
@@ -42,7 +39,7 @@ def _routed_to_gluon(fa, q, k, v, causal=False, **options):
 
 
 def test_taken_only_where_it_can_work(fa, monkeypatch):
-    q, k, v = _bshd(2, 256, 4, BF16), _bshd(2, 384, 2, BF16), _bshd(2, 384, 2, BF16)
+    q, k, v = bshd(2, 256, 4, BF16), bshd(2, 384, 2, BF16), bshd(2, 384, 2, BF16)
     checked = triton.__version__.startswith(fa.flash_attention_kernel.hopper_route.CHECKED_VERSIONS)
     expected = ON_HOPPER and checked
     assert _routed_to_gluon(fa, q, k, v, causal=True) == expected
@@ -113,7 +110,7 @@ def test_tile_arguments_hold_head_dims_in_chunks(fa, head_dim, chunks):
     split into powers of two, each descriptor over the whole row matrix (the kernels add the first
     chunk's width to the second's column)."""
     kernels = fa.flash_attention_kernel
-    q, k = _bshd(2, 256, 4, BF16, head_dim), _bshd(2, 384, 2, BF16, head_dim)
+    q, k = bshd(2, 256, 4, BF16, head_dim), bshd(2, 384, 2, BF16, head_dim)
     layout = kernels.launch.SequenceLayout.of(q, k)
     arguments = gluon_module(fa, "hopper_gluon").tile_arguments((q, k, k), layout, (64, 128, 128))
     descriptors, geometry = arguments[:6], arguments[6:]
@@ -130,70 +127,70 @@ def test_tile_arguments_hold_head_dims_in_chunks(fa, head_dim, chunks):
 
 
 def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
-    return _bshd(batch, heads, seqlen, dtype, head_dim).transpose(1, 2)
+    return bshd(batch, heads, seqlen, dtype, head_dim).transpose(1, 2)
 
 
 # (name, q, k, v builders, flash_attn_func options); "slopes" stands for ALiBi slopes of shape
 # (heads,), "batch slopes" for (batch, heads), "negative slopes" for (heads,) below zero, "sinks" for
 # s_aux
 CASES = [
-    ("gqa-causal", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)), dict(causal=True)),
-    ("gqa4-full", lambda dt: (_bshd(1, 384, 8, dt), _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)), {}),
-    ("one-tile", lambda dt: (_bshd(3, 128, 2, dt), _bshd(3, 128, 2, dt), _bshd(3, 128, 2, dt)), {}),
-    ("fewer-queries-causal", lambda dt: (_bshd(2, 128, 2, dt), _bshd(2, 512, 2, dt), _bshd(2, 512, 2, dt)),
+    ("gqa-causal", lambda dt: (bshd(2, 256, 4, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)), dict(causal=True)),
+    ("gqa4-full", lambda dt: (bshd(1, 384, 8, dt), bshd(1, 384, 2, dt), bshd(1, 384, 2, dt)), {}),
+    ("one-tile", lambda dt: (bshd(3, 128, 2, dt), bshd(3, 128, 2, dt), bshd(3, 128, 2, dt)), {}),
+    ("fewer-queries-causal", lambda dt: (bshd(2, 128, 2, dt), bshd(2, 512, 2, dt), bshd(2, 512, 2, dt)),
      dict(causal=True)),
-    ("more-queries-causal", lambda dt: (_bshd(2, 512, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+    ("more-queries-causal", lambda dt: (bshd(2, 512, 2, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)),
      dict(causal=True)),  # (the first 256 rows see no key)
     ("bhsd-view", lambda dt: (_bhsd_view(2, 128, 3, dt), _bhsd_view(2, 256, 3, dt), _bhsd_view(2, 256, 3, dt)),
      dict(causal=True)),
-    ("qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), {}),
-    ("d64-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 64), _bshd(2, 384, 1, dt, 64), _bshd(2, 384, 1, dt, 64)),
+    ("qkv-packed", lambda dt: bshd(2, 256, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2), {}),
+    ("d64-gqa-causal", lambda dt: (bshd(2, 256, 4, dt, 64), bshd(2, 384, 1, dt, 64), bshd(2, 384, 1, dt, 64)),
      dict(causal=True)),
-    ("softcap-fixed-pivot", lambda dt: (_bshd(2, 256, 2, dt) * 3, _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+    ("softcap-fixed-pivot", lambda dt: (bshd(2, 256, 2, dt) * 3, bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)),
      dict(causal=True, softcap=30.0)),
-    ("softcap-running-max", lambda dt: (_bshd(2, 384, 2, dt) * 3, _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+    ("softcap-running-max", lambda dt: (bshd(2, 384, 2, dt) * 3, bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)),
      dict(softcap=60.0)),
-    ("sinks-causal", lambda dt: (_bshd(2, 384, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+    ("sinks-causal", lambda dt: (bshd(2, 384, 4, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)),
      dict(causal=True, s_aux="sinks")),
-    ("window", lambda dt: (_bshd(2, 384, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+    ("window", lambda dt: (bshd(2, 384, 4, dt), bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)),
      dict(window_size=(100, 37))),
-    ("window-causal-more-queries", lambda dt: (_bshd(2, 512, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+    ("window-causal-more-queries", lambda dt: (bshd(2, 512, 2, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)),
      dict(causal=True, window_size=(70, -1))),
-    ("diagonal-only", lambda dt: (_bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt)),
+    ("diagonal-only", lambda dt: (bshd(1, 256, 2, dt), bshd(1, 256, 2, dt), bshd(1, 256, 2, dt)),
      dict(window_size=(0, 0))),
-    ("left-edge-only", lambda dt: (_bshd(2, 384, 2, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt)),
+    ("left-edge-only", lambda dt: (bshd(2, 384, 2, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt)),
      dict(window_size=(64, -1))),
-    ("window-past-the-sequence", lambda dt: (_bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt), _bshd(1, 256, 2, dt)),
+    ("window-past-the-sequence", lambda dt: (bshd(1, 256, 2, dt), bshd(1, 256, 2, dt), bshd(1, 256, 2, dt)),
      dict(window_size=(5000, 5000))),
     # (9 and 10 blocks of 128 rows a head: programs whose band ends in different tiles)
-    ("many-blocks-causal-window", lambda dt: (_bshd(3, 1152, 2, dt), _bshd(3, 1152, 1, dt), _bshd(3, 1152, 1, dt)),
+    ("many-blocks-causal-window", lambda dt: (bshd(3, 1152, 2, dt), bshd(3, 1152, 1, dt), bshd(3, 1152, 1, dt)),
      dict(causal=True, window_size=(260, 0))),
-    ("many-blocks-left-window", lambda dt: (_bshd(2, 1280, 3, dt), _bshd(2, 1280, 3, dt), _bshd(2, 1280, 3, dt)),
+    ("many-blocks-left-window", lambda dt: (bshd(2, 1280, 3, dt), bshd(2, 1280, 3, dt), bshd(2, 1280, 3, dt)),
      dict(window_size=(300, -1))),
-    ("alibi-causal-gqa", lambda dt: (_bshd(2, 384, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+    ("alibi-causal-gqa", lambda dt: (bshd(2, 384, 4, dt), bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)),
      dict(causal=True, alibi_slopes="slopes")),
-    ("alibi", lambda dt: (_bshd(2, 256, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+    ("alibi", lambda dt: (bshd(2, 256, 2, dt), bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)),
      dict(alibi_slopes="batch slopes")),
     ("alibi-more-queries-negative-slopes",  # (tiles below, across and above the diagonal; diag < 0)
-     lambda dt: (_bshd(2, 512, 2, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+     lambda dt: (bshd(2, 512, 2, dt), bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)),
      dict(alibi_slopes="negative slopes")),
-    ("alibi-window-softcap", lambda dt: (_bshd(1, 384, 2, dt) * 2, _bshd(1, 384, 2, dt), _bshd(1, 384, 2, dt)),
+    ("alibi-window-softcap", lambda dt: (bshd(1, 384, 2, dt) * 2, bshd(1, 384, 2, dt), bshd(1, 384, 2, dt)),
      dict(window_size=(120, 90), alibi_slopes="slopes", softcap=8.0)),
-    ("dropout", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)), dict(dropout_p=0.17)),
-    ("dropout-causal-d64", lambda dt: (_bshd(2, 384, 2, dt, 64), _bshd(2, 256, 2, dt, 64), _bshd(2, 256, 2, dt, 64)),
+    ("dropout", lambda dt: (bshd(2, 256, 4, dt), bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)), dict(dropout_p=0.17)),
+    ("dropout-causal-d64", lambda dt: (bshd(2, 384, 2, dt, 64), bshd(2, 256, 2, dt, 64), bshd(2, 256, 2, dt, 64)),
      dict(causal=True, dropout_p=0.3)),
-    ("everything", lambda dt: (_bshd(2, 256, 4, dt) * 2, _bshd(2, 384, 2, dt), _bshd(2, 384, 2, dt)),
+    ("everything", lambda dt: (bshd(2, 256, 4, dt) * 2, bshd(2, 384, 2, dt), bshd(2, 384, 2, dt)),
      dict(causal=True, window_size=(170, -1), alibi_slopes="slopes", softcap=8.0, dropout_p=0.17, s_aux="sinks")),
     # (head dims held as two chunks, 64 + 32 and 64 + 16: hopper_gluon.tile_arguments)
-    ("d96-gqa-causal", lambda dt: (_bshd(2, 256, 4, dt, 96), _bshd(2, 384, 2, dt, 96), _bshd(2, 384, 2, dt, 96)),
+    ("d96-gqa-causal", lambda dt: (bshd(2, 256, 4, dt, 96), bshd(2, 384, 2, dt, 96), bshd(2, 384, 2, dt, 96)),
      dict(causal=True)),
-    ("d80-gqa4-full", lambda dt: (_bshd(1, 384, 8, dt, 80), _bshd(1, 384, 2, dt, 80), _bshd(1, 384, 2, dt, 80)), {}),
-    ("d96-qkv-packed", lambda dt: _bshd(2, 256, 3 * 2, dt, 96).unflatten(2, (3, 2)).unbind(2), {}),
+    ("d80-gqa4-full", lambda dt: (bshd(1, 384, 8, dt, 80), bshd(1, 384, 2, dt, 80), bshd(1, 384, 2, dt, 80)), {}),
+    ("d96-qkv-packed", lambda dt: bshd(2, 256, 3 * 2, dt, 96).unflatten(2, (3, 2)).unbind(2), {}),
     ("d80-bhsd-view-causal", lambda dt: (_bhsd_view(2, 128, 3, dt, 80), _bhsd_view(2, 256, 3, dt, 80),
                                          _bhsd_view(2, 256, 3, dt, 80)), dict(causal=True)),
-    ("d96-dropout-causal", lambda dt: (_bshd(2, 384, 2, dt, 96), _bshd(2, 256, 2, dt, 96), _bshd(2, 256, 2, dt, 96)),
+    ("d96-dropout-causal", lambda dt: (bshd(2, 384, 2, dt, 96), bshd(2, 256, 2, dt, 96), bshd(2, 256, 2, dt, 96)),
      dict(causal=True, dropout_p=0.3)),
-    ("d80-everything", lambda dt: (_bshd(2, 256, 4, dt, 80) * 2, _bshd(2, 384, 2, dt, 80), _bshd(2, 384, 2, dt, 80)),
+    ("d80-everything", lambda dt: (bshd(2, 256, 4, dt, 80) * 2, bshd(2, 384, 2, dt, 80), bshd(2, 384, 2, dt, 80)),
      dict(causal=True, window_size=(170, -1), alibi_slopes="slopes", softcap=8.0, dropout_p=0.17, s_aux="sinks")),
 ]
 

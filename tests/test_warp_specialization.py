@@ -17,7 +17,7 @@ import torch
 import triton
 
 from conftest import ON_GPU
-from inputs import cu_seqlens, random_qkv
+from inputs import bshd, cu_seqlens, random_qkv
 from reference import BWD_FACTOR, FWD_FACTOR, assert_within_bar, run_ref
 from sizes import BF16
 
@@ -82,23 +82,19 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert _specialized(fa, q, k, v) == (ON_GPU and torch.cuda.get_device_capability()[0] == 9 and checked)
 
 
-def _bshd(batch, seqlen, heads, dtype, head_dim=HEAD_DIM):
-    return torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda" if ON_GPU else "cpu")
-
-
 def _bhsd_view(batch, seqlen, heads, dtype):
-    return _bshd(batch, heads, seqlen, dtype).transpose(1, 2)
+    return bshd(batch, heads, seqlen, dtype).transpose(1, 2)
 
 
 # (name, q, k, v builders): key lengths are multiples of 128 (every key tile full, on CPU and GPU)
 CASES = [
-    ("bshd-gqa", lambda dt: (_bshd(2, 256, 4, dt), _bshd(2, 256, 2, dt), _bshd(2, 256, 2, dt))),
-    ("bshd-ragged-q", lambda dt: (_bshd(2, 113, 2, dt), _bshd(2, 128, 2, dt), _bshd(2, 128, 2, dt))),
+    ("bshd-gqa", lambda dt: (bshd(2, 256, 4, dt), bshd(2, 256, 2, dt), bshd(2, 256, 2, dt))),
+    ("bshd-ragged-q", lambda dt: (bshd(2, 113, 2, dt), bshd(2, 128, 2, dt), bshd(2, 128, 2, dt))),
     ("bhsd-view", lambda dt: (_bhsd_view(2, 203, 3, dt), _bhsd_view(2, 128, 3, dt), _bhsd_view(2, 128, 3, dt))),
-    ("qkv-packed", lambda dt: _bshd(2, 128, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2)),
-    ("long-keys", lambda dt: (_bshd(1, 64, 2, dt), _bshd(1, 4096, 1, dt), _bshd(1, 4096, 1, dt))),
-    ("d192-two-chunks", lambda dt: (_bshd(2, 113, 2, dt, 192), _bshd(2, 128, 2, dt, 192), _bshd(2, 128, 2, dt, 192))),
-    ("d256-gqa", lambda dt: (_bshd(1, 64, 4, dt, 256), _bshd(1, 128, 2, dt, 256), _bshd(1, 128, 2, dt, 256))),
+    ("qkv-packed", lambda dt: bshd(2, 128, 3 * 2, dt).unflatten(2, (3, 2)).unbind(2)),
+    ("long-keys", lambda dt: (bshd(1, 64, 2, dt), bshd(1, 4096, 1, dt), bshd(1, 4096, 1, dt))),
+    ("d192-two-chunks", lambda dt: (bshd(2, 113, 2, dt, 192), bshd(2, 128, 2, dt, 192), bshd(2, 128, 2, dt, 192))),
+    ("d256-gqa", lambda dt: (bshd(1, 64, 4, dt, 256), bshd(1, 128, 2, dt, 256), bshd(1, 128, 2, dt, 256))),
 ]
 
 
@@ -139,7 +135,7 @@ def test_options_in_the_warp_specialised_loop(fa, monkeypatch, dtype):
         pytest.skip("the warp-specialised loop needs a Hopper GPU")
     device = "cuda" if ON_GPU else "cpu"
     seqlen_k = 4096 if ON_GPU else 256  # (4096: the dQ kernel's warp-specialised entry starts there)
-    q, k, v = _bshd(2, 113, 4, dtype), _bshd(2, seqlen_k, 2, dtype), _bshd(2, seqlen_k, 2, dtype)
+    q, k, v = bshd(2, 113, 4, dtype), bshd(2, seqlen_k, 2, dtype), bshd(2, seqlen_k, 2, dtype)
     sinks = torch.randn(4, device=device)
     slopes = torch.rand(4, device=device) * 0.2
     options = dict(softcap=5.0, alibi_slopes=slopes)
