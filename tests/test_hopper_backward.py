@@ -94,11 +94,12 @@ if kernel == "dkdv":
     extra = {}
 else:
     arguments = dict(
-        Lse="*fp32", Delta="*fp32", stride_stat_b="i64", stride_stat_h="i64", DQ="*bf16",
-        **{f"stride_dq{s}": "i64" for s in ("b", "h", "m")}, seqlen_k="i32", diag="i32")
+        Out="*bf16", Lse="*fp32", DLse="*fp32", Delta="*fp32", stride_stat_b="i64", stride_stat_h="i64", DQ="*bf16",
+        **{f"stride_{t}{s}": "i64" for t in ("o", "dq") for s in ("b", "h", "m")}, seqlen_k="i32", diag="i32")
     function = module._dq_kernel
     row_calls = sys.modules[name + ".flash_attention_kernel.hopper_dropout"].row_calls
-    extra = dict(KEYS=module.KEY_ROWS, CALLS_LAYOUT=row_calls(module.KEY_ROWS))
+    # (delta made with the lse's gradient: the kernel's every line)
+    extra = dict(KEYS=module.KEY_ROWS, CALLS_LAYOUT=row_calls(module.KEY_ROWS), HAS_DLSE=True)
 configs = importlib.import_module(name + ".flash_attention_kernel.configs")
 mask_left = importlib.import_module(name + ".flash_attention_kernel.options").MASK_LEFT
 stages = configs.gluon_config("bwd_" + kernel, head_dim, "window" if variant & mask_left else "none").stages

@@ -114,8 +114,8 @@ def gluon_fits(kernels, monkeypatch):
 def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
     """Where the Gluon kernels fit: each pass runs its Gluon kernel, with its program tiles and the
     ring depth the modules held; dQ stays on the tl kernel for dropout without causal masking;
-    the backward then makes delta in the preprocess kernel (or the tl dQ prologue) and plans no
-    tl launch for a pass a Gluon kernel runs."""
+    either dQ kernel makes delta in its prologue and runs first, and the backward plans no tl
+    launch for a pass a Gluon kernel runs."""
     planner, GluonConfig = kernels.planner, kernels.configs.GluonConfig
     tl_launches = []
     real_tl_launch = planner.tl_launch
@@ -139,7 +139,7 @@ def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
         else:
             assert backward.dq.gluon is gluon_fits["bwd_dq"] and backward.dq.tl is None
             assert backward.dq.gluon_config == GluonConfig(*tiles["bwd_dq"], GLUON_STAGES["bwd_dq", head_dim])
-            assert backward.delta_source == planner.DELTA_PREPROCESS
+            assert backward.delta_source == planner.DELTA_IN_DQ
             assert tl_launches == []  # (no tl launch planned for passes the Gluon kernels run)
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "0")
     attention, layout, q, k, v, dout = _call(kernels, BF16, head_dim, 256, 256)
@@ -175,7 +175,7 @@ def test_planner_override_forces_each_choice(kernels, gluon_fits, monkeypatch):
         dropout = kernels.AttentionOptions(128 ** -0.5, False, dropout_p=0.1)
         backward = planner.plan_backward(dropout, layout, True, q, k, v, dout)
         assert backward.dq.gluon_config == ring and backward.dkdv.implementation == "tl"
-        assert backward.delta_source == planner.DELTA_PREPROCESS
+        assert backward.delta_source == planner.DELTA_IN_DQ  # (the Gluon dQ kernel makes it)
     with pytest.raises(ValueError, match="compiled in"):
         configs.set_override("fwd", configs.GluonConfig(64, 64, 3))
     with pytest.raises(ValueError, match="implementation"):
@@ -211,7 +211,7 @@ def test_planner_override_reaches_the_warp_specialised_loop(kernels, monkeypatch
 
 def test_planner_launchers_launch_what_it_plans(kernels, gluon_fits, monkeypatch):
     """attention_forward / attention_backward launch the planned kernels with the planned configs:
-    Gluon stand-ins get their GluonConfig (the backward's delta then from the preprocess kernel),
+    Gluon stand-ins get their GluonConfig (the backward's delta then from the dQ kernel, the first),
     and a tl override gives the tl kernel's result."""
     launched = {}
 
@@ -276,7 +276,7 @@ def test_gluon_launchers_take_their_config(kernels, head_dim, window):
         lse, out = torch.empty(batch, heads, seqlen), torch.empty_like(q)
         config = {kernel: kernels.configs.gluon_config(kernel, head_dim, options.mask_kind) for kernel in names}
         module_objects["fwd"].attention_forward(q, k, v, out, lse, options, layout, config["fwd"])
-        module_objects["bwd_dq"].attention_dq(q, q, k, v, lse, lse, out, options, layout, config["bwd_dq"])
+        module_objects["bwd_dq"].attention_dq(q, q, k, v, out, lse, None, lse, out, options, layout, config["bwd_dq"])
         module_objects["bwd_dkdv"].attention_dkdv(q, q, k, v, lse, lse, k, v, options, layout, config["bwd_dkdv"])
     finally:
         for kernel, module in module_objects.items():

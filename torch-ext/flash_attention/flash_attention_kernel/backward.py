@@ -14,9 +14,9 @@ the gradients are
     dQ    = softmax_scale * dS K
     dsink = -sum over rows of exp(sink - lse) * delta     (attention sinks; ``_sink_grad_kernel``)
 
-* delta comes first: from the dQ kernel's prologue, which then runs before the dK/dV kernel, or,
-  where that prologue would slow the dQ kernel down (warp-specialised or varlen), from
-  ``_attn_bwd_preprocess_kernel``. fp32 inputs (FP32_EXACT) take delta = sum_j P_ij dP_ij - dlse
+* delta comes first: from the dQ kernel's prologue (the plain tl kernel's, or the Gluon kernel's
+  consumers'), which then runs before the dK/dV kernel, or, where that prologue would slow the dQ
+  kernel down (tl warp-specialised or varlen), from ``_attn_bwd_preprocess_kernel``. fp32 inputs (FP32_EXACT) take delta = sum_j P_ij dP_ij - dlse
   instead, PyTorch's form, from a first pass of the dQ kernel (``_attn_bwd_dq_kernel``).
 * ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
   tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
@@ -544,18 +544,23 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             PRECISION=precision_mode(q.dtype, interpreted),
         )
         return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)
+    def dq_pass():
+        if plan.dq.gluon is not None:  # (it makes delta: DELTA_IN_DQ)
+            plan.dq.gluon(dout, q, k, v, out, lse, dlse if has_dlse else None, delta, dq, options, layout,
+                          plan.dq.gluon_config)
+        else:
+            launch_fitting(plan.dq.tl, launch_dq)
+
     if delta_in_dq:
-        launch_fitting(plan.dq.tl, launch_dq)
+        dq_pass()
     else:
         launch_preprocess()
     if plan.dkdv.gluon is not None:
         plan.dkdv.gluon(dout, q, k, v, lse, delta, dk, dv, options, layout, plan.dkdv.gluon_config)
     else:
         launch_fitting(plan.dkdv.tl, launch_dkdv)
-    if plan.dq.gluon is not None:
-        plan.dq.gluon(dout, q, k, v, lse, delta, dq, options, layout, plan.dq.gluon_config)
-    elif not delta_in_dq:
-        launch_fitting(plan.dq.tl, launch_dq)
+    if not delta_in_dq:
+        dq_pass()
     return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel, row_scale if exact else None)
 
 

@@ -22,12 +22,16 @@ slower (docs/design.md#hopper-gluon-kernels). Here:
   its band (released unread: the other warpgroup may need them), ``hopper_gluon.band_tiles``.
   With an upper band edge (causal) programs run longest rows first. The logits (softcap, ALiBi,
   mask) are ``hopper_gluon.tile_logits``'.
+* delta = rowsum(dO * O) - dlse: each consumer makes its rows' delta itself before its first tile,
+  from O read from global memory while the producer's TMA brings dO, and writes it out for the
+  dK/dV kernel, which runs after this one (planner.DELTA_IN_DQ: no preprocess kernel, whose pass
+  over O and dO cost about 50 us per backward at 16k tokens, docs/design.md#backward).
 * dropout: each consumer redraws its pairs' keep bits while its S and dP products run
   (``hopper_dropout.dropout_rows``, bit for bit ``scores.dropout_keep``); dS takes the kept dP,
   with the 1 / (1 - p) of dP moved into delta and applied to dQ once at the end.
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
-P = 0, dQ is scaled by softmax_scale at the end), and delta comes from the preprocess kernel.
+P = 0, dQ is scaled by softmax_scale at the end).
 ``hopper_route.chosen`` decides where it runs (full tiles here are 128 query rows and 64 keys;
 dropout only with causal masking); everything else takes the tl kernel.
 
@@ -58,22 +62,23 @@ from .options import AttentionOptions
 QUERY_ROWS, KEY_ROWS = GLUON_TILES["bwd_dq"][0] // 2, GLUON_TILES["bwd_dq"][1]
 
 
-def attention_dq(dout, q, k, v, lse, delta, dq, options: AttentionOptions, layout: SequenceLayout,
+def attention_dq(dout, q, k, v, out, lse, dlse, delta, dq, options: AttentionOptions, layout: SequenceLayout,
                  config: GluonConfig) -> None:
     """Write dQ (softmax_scale applied) of a call the planner gave this kernel, with its ``config``
-    (planner.plan_backward); lse and delta are contiguous
-    (batch, heads, seqlen_q) fp32 (``SequenceLayout.new_row_stats``) with delta already computed.
-    The kernel launches directly, not through torch.library.wrap_triton: the route keeps traced
-    calls on the tl kernels."""
+    (planner.plan_backward), and delta = rowsum(dout * out) - dlse into ``delta`` (dlse None:
+    no lse gradient); lse, dlse and delta are contiguous (batch, heads, seqlen_q) fp32
+    (``SequenceLayout.new_row_stats``). The kernel launches directly, not through
+    torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
     batch, seqlen_q, num_heads, _ = q.shape
     arguments, constexprs = option_arguments(options, q)
     rows, keys = config.query_tile // 2, config.key_tile  # (per consumer warpgroup)
     launcher(_dq_kernel)[(seqlen_q // config.query_tile, num_heads, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
-        lse, delta, *layout.stat_strides(delta), dq, *layout.strides(dq),
+        out, *layout.strides(out), lse, delta if dlse is None else dlse, delta, *layout.stat_strides(delta),
+        dq, *layout.strides(dq),
         layout.seqlen_k, layout.seqlen_k - layout.seqlen_q, *arguments,
-        KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages, CALLS_LAYOUT=CALLS, **constexprs,
-        num_warps=4,
+        KEYS=keys, GROUP_SIZE=num_heads // k.shape[2], STAGES=config.stages, CALLS_LAYOUT=CALLS,
+        HAS_DLSE=dlse is not None, **constexprs, num_warps=4,
     )
 
 
@@ -91,6 +96,51 @@ def _producer(q_descs, k_descs, v_descs, do_descs, q_row, q_col, do_row, do_col,
         load_chunks(q_descs, q_row + w * ROWS, q_col, qdo_bar, q_smem, w)
         load_chunks(do_descs, do_row + w * ROWS, do_col, qdo_bar, do_smem, w)
     stream_key_tiles(k_descs, v_descs, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
+
+@gluon.constexpr_function
+def _rows_layout(width):
+    """[64, width] blocks over a warpgroup, 8 elements (16 bytes) per thread and access."""
+    across = min(width // 8, 32)
+    return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+
+@gluon.jit
+def _load_block(base, first_row, stride_row, first_col, like):
+    """Rows first_row.. of columns first_col.. of ``base``, shaped as shared block ``like``."""
+    layout: gl.constexpr = _rows_layout(like.shape[1])
+    rows = (first_row + gl.arange(0, like.shape[0], gl.SliceLayout(1, layout))).to(gl.int64)
+    cols = first_col + gl.arange(0, like.shape[1], gl.SliceLayout(0, layout))
+    return gl.load(base + rows[:, None] * stride_row + cols[None, :])
+
+@gluon.jit
+def _load_out(out_base, first_row, stride_om, do):
+    """This warpgroup's rows of O, a block per head-dim chunk of dO's blocks ``do``."""
+    first = _load_block(out_base, first_row, stride_om, 0, do[0])
+    if len(do) == 1:
+        blocks = (first,)
+    else:
+        blocks = (first, _load_block(out_base, first_row, stride_om, do[0].shape[1], do[1]))
+    return blocks
+
+@gluon.jit
+def _row_products(out, do):
+    """rowsum(dO * O) in fp32 of O's blocks ``out`` (``_load_out``) and dO's shared blocks ``do``."""
+    sums = gl.sum(out[0].to(gl.float32) * do[0].load(out[0].type.layout).to(gl.float32), axis=1)
+    if len(do) > 1:
+        second = gl.sum(out[1].to(gl.float32) * do[1].load(out[1].type.layout).to(gl.float32), axis=1)
+        sums = sums + gl.convert_layout(second, sums.type.layout)
+    return sums
+
+@gluon.jit
+def _make_delta(out, do, Delta, DLse, stat_base, rows, HAS_DLSE: gl.constexpr):
+    """delta = rowsum(dO * O) - dlse of the warpgroup's ``rows`` from O's blocks ``out`` and dO's
+    shared blocks ``do``, stored to Delta (the dK/dV kernel, which runs after this one, and the
+    sinks' gradient read it) and returned in the layout of ``rows``."""
+    delta = _row_products(out, do)
+    made_rows = gl.convert_layout(rows, delta.type.layout)
+    if HAS_DLSE:
+        delta = delta - gl.load(DLse + stat_base + made_rows)
+    gl.store(Delta + stat_base + made_rows, delta)
+    return gl.convert_layout(delta, rows.type.layout)
 
 @gluon.jit
 def _issue_products(q, do, k_bufs, v_bufs, ring, i, S_LAYOUT: gl.constexpr):
@@ -149,28 +199,28 @@ def _key_range(dq, ds, i, start, end, q, do, k_bufs, v_bufs, ring, first_row, ro
     return dq, ds, i
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
-              stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope, RngState,
-              stream, dropout_threshold, dropout_scale, WG: gl.constexpr, CALLS_LAYOUT: gl.constexpr,
-              VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
-    """One warpgroup: dQ of query rows [start_m + WG * 64, + 64) over the key tiles [keys_lo,
-    keys_hi) the producer streams."""
+def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, stride_om, Lse, DLse, Delta,
+              stat_base, DQ, dq_base, stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale,
+              slope, RngState, stream, dropout_threshold, dropout_scale, WG: gl.constexpr,
+              CALLS_LAYOUT: gl.constexpr, HAS_DLSE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+    """One warpgroup: delta and dQ of query rows [start_m + WG * 64, + 64) over the key tiles
+    [keys_lo, keys_hi) the producer streams."""
     KEYS: gl.constexpr = k_bufs[0].shape[1]
     s_layout: gl.constexpr = accumulator_layout(KEYS)
     ds_layout: gl.constexpr = operand_layout(k_bufs[0].shape[2])  # (dS's, for dQ's first chunk)
     first_row = start_m + WG * ROWS
     rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
     lse_log2 = gl.load(Lse + stat_base + rows) * LOG2E_
-    delta = gl.load(Delta + stat_base + rows)
+    q = chunks_at(q_smem, WG)
+    do = chunks_at(do_smem, WG)
+    # for delta: O's loads are issued before the wait for dO's TMA, so that they arrive together
+    out = _load_out(Out + out_base, first_row, stride_om, do)
     if DROPOUT_ & VARIANT:  # dS = P (keep dP / (1 - p) - delta) = P (keep dP - delta (1 - p)) / (1 - p)
-        delta = delta / dropout_scale
         softmax_scale = softmax_scale * dropout_scale
     dropout = (RngState, stream, dropout_threshold)
     slope_log2 = 0.0
     if ALIBI_ & VARIANT:
         slope_log2 = gl.load(slope) * LOG2E_
-    q = chunks_at(q_smem, WG)
-    do = chunks_at(do_smem, WG)
     dq = zero_chunks(ROWS, k_bufs)
     # this warpgroup's key tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the ones
     # before lo and from hi_end on it does not see (streamed for the other warpgroup)
@@ -181,8 +231,11 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_b
     if MASK_LEFT_ & VARIANT:
         i = release_unread(ring, i, keys_lo, lo, KEYS)
     if lo < hi:
-        # prologue: the first tile's dS, masked whichever range it lies in
+        # prologue: delta while the first tile's S and dP run, then that tile's dS, masked whichever range it lies in
         s, dp = _issue_products(q, do, k_bufs, v_bufs, ring, i, s_layout)
+        delta = _make_delta(out, do, Delta, DLse, stat_base, rows, HAS_DLSE)
+        if DROPOUT_ & VARIANT:
+            delta = delta / dropout_scale
         ds = _score_grads(s, dp, lo, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
                           k_bufs[0].dtype, s_layout, ds_layout, CALLS_LAYOUT, len(k_bufs), 0, True, VARIANT,
                           ALIBI_ABS)
@@ -200,6 +253,8 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_b
         # epilogue: the last tile's dQ product
         dq = wait_chunks(0, issue_into_chunks(ds, chunks_at(k_bufs, ring.index(i + ring.STAGES - 1)), dq))
         ring.release(i + ring.STAGES - 1)  # (the last tile's buffer)
+    else:  # (no key visible: delta still serves the sinks' gradient)
+        _make_delta(out, do, Delta, DLse, stat_base, rows, HAS_DLSE)
     if MASK_RIGHT_ & VARIANT:
         release_unread(ring, i, hi_end, keys_hi, KEYS)
     store_chunks(DQ + dq_base, first_row, stride_dqm, dq, softmax_scale)
@@ -208,15 +263,18 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_b
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b,
                q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
                v_batch_rows, v_head_rows, v_head_cols, do_batch_rows, do_head_rows, do_head_cols,
-               Lse, Delta, stride_stat_b, stride_stat_h, DQ, stride_dqb, stride_dqh, stride_dqm, seqlen_k, diag,
+               Out, stride_ob, stride_oh, stride_om, Lse, DLse, Delta, stride_stat_b, stride_stat_h,
+               DQ, stride_dqb, stride_dqh, stride_dqm, seqlen_k, diag,
                score_scale, softcap_log2, softmax_scale, window_left, window_right,
                AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
                KEYS: gl.constexpr, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
-               CALLS_LAYOUT: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+               CALLS_LAYOUT: gl.constexpr, HAS_DLSE: gl.constexpr, VARIANT: gl.constexpr,
+               ALIBI_ABS: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after seqlen_k and diag are
     ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs; CALLS_LAYOUT:
-    ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls."""
+    ``hopper_dropout.row_calls(KEYS)``, the layout of dropout's Philox calls; HAS_DLSE: DLse
+    holds the lse's gradient (else it is a stand-in, unread)."""
     band = (diag, window_left, window_right)
     score = (score_scale, softcap_log2)
     start_m, head, batch, kv_head, keys_lo, keys_hi, stream, slope = query_program(
@@ -234,16 +292,17 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, do
 
     stat_base = batch.to(gl.int64) * stride_stat_b + head.to(gl.int64) * stride_stat_h
     dq_base = batch.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh
+    out_base = batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
-                     stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
-                     RngState, stream, dropout_threshold, dropout_scale, FIRST, CALLS_LAYOUT,
-                     VARIANT, ALIBI_ABS)),
-        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Lse, Delta, stat_base, DQ, dq_base,
-                     stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score, softmax_scale, slope,
-                     RngState, stream, dropout_threshold, dropout_scale, SECOND, CALLS_LAYOUT,
-                     VARIANT, ALIBI_ABS)),
+        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, stride_om, Lse, DLse,
+                     Delta, stat_base, DQ, dq_base, stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score,
+                     softmax_scale, slope, RngState, stream, dropout_threshold, dropout_scale, FIRST,
+                     CALLS_LAYOUT, HAS_DLSE, VARIANT, ALIBI_ABS)),
+        (_consumer, (q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, stride_om, Lse, DLse,
+                     Delta, stat_base, DQ, dq_base, stride_dqm, start_m, keys_lo, keys_hi, seqlen_k, band, score,
+                     softmax_scale, slope, RngState, stream, dropout_threshold, dropout_scale, SECOND,
+                     CALLS_LAYOUT, HAS_DLSE, VARIANT, ALIBI_ABS)),
         (_producer, (q_descs, k_descs, v_descs, do_descs,
                      batch * q_batch_rows + head * q_head_rows + start_m, head * q_head_cols,
                      batch * do_batch_rows + head * do_head_rows + start_m, head * do_head_cols,

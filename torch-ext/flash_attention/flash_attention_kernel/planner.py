@@ -16,10 +16,10 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
   (``ampere_route.chosen``, ``ampere_backward``; ``BackwardPlan.fused``).
 * delta (rowsum(dO * O) - dlse, which both backward kernels read): fp32 inputs make it in the tl
   dQ kernel's first pass (``DELTA_FP32_PASS``, PyTorch's form from P and dP); a plain dense tl dQ
-  kernel makes it in its prologue and runs first (``DELTA_IN_DQ``), saving the preprocess launch
-  and its pass over O and dO; the warp-specialised, the varlen and the Gluon dQ kernels lose more
-  than that behind the extra prologue (docs/design.md#backward), so there the preprocess kernel
-  makes it (``DELTA_PREPROCESS``).
+  kernel and the Gluon dQ kernel make it in their prologue and run first (``DELTA_IN_DQ``), saving
+  the preprocess launch and its pass over O and dO; the tl warp-specialised and varlen dQ kernels
+  lose more than that behind the extra prologue (docs/design.md#backward), so there the
+  preprocess kernel makes it (``DELTA_PREPROCESS``).
 
 A plan depends only on facts a call's signature holds (``plan_key``: the options' scalars and
 which tensor options are set, the sequence layout's lengths, each tensor's type, shape, strides,
@@ -119,7 +119,7 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     dkdv = _pass_plan("bwd_dkdv", options, layout, interpreted, tensors)
     if kernel_variant(options, q.dtype, interpreted) & FP32_EXACT:
         delta_source = DELTA_FP32_PASS
-    elif dq.tl is not None and not dq.tl.specialized and not layout.is_varlen:
+    elif dq.gluon is not None or not (dq.tl.specialized or layout.is_varlen):
         delta_source = DELTA_IN_DQ
     else:
         delta_source = DELTA_PREPROCESS
