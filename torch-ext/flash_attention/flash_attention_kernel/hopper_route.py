@@ -86,8 +86,8 @@ def long_enough(kernel: str, options: AttentionOptions, layout: SequenceLayout, 
     on average (``mean_visible_keys``), the backward from BACKWARD_MIN_SEQLEN_K keys. Below, a
     warp-specialised program's setup (barriers, descriptors, the producer's first loads) is not
     repaid by its pipelining over few key tiles, and the Gluon path costs the host more per call:
-    its descriptors, and a third backward launch (delta's preprocess) where the tl dQ kernel makes
-    delta itself."""
+    its descriptors (the thresholds date from when the Gluon backward also launched delta's
+    preprocess, docs/design.md#hopper-gluon-kernels)."""
     if kernel == "fwd":
         return mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= FORWARD_MIN_KEYS[head_dim]
     return layout.seqlen_k >= BACKWARD_MIN_SEQLEN_K
