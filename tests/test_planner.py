@@ -230,9 +230,14 @@ def test_planner_launchers_launch_what_it_plans(kernels, gluon_fits, monkeypatch
     with kernels.planner.override("fwd", kernels.configs.TileConfig(16, 16, 4, 1)):
         again, _ = kernels.attention_forward(q, k, v, attention)
     torch.testing.assert_close(again, out, atol=2e-2, rtol=0)  # (other tiles: another summation order)
+    tl_kernels = []
+    real_launcher = kernels.backward.launcher
+    monkeypatch.setattr(kernels.backward, "launcher", lambda kernel, *args: tl_kernels.append(kernel.__name__)
+                        or real_launcher(kernel, *args))
     kernels.attention_backward(dout, q, k, v, out, lse, attention)
     assert launched == {"bwd_dq": kernels.configs.GluonConfig(128, 64, 6),
                         "bwd_dkdv": kernels.configs.GluonConfig(64, 128, 4)}
+    assert list(launched) == ["bwd_dq", "bwd_dkdv"] and tl_kernels == []  # (dQ first, making delta: no preprocess)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
