@@ -22,10 +22,10 @@ slower (docs/design.md#hopper-gluon-kernels). Here:
   its band (released unread: the other warpgroup may need them), ``hopper_gluon.band_tiles``.
   With an upper band edge (causal) programs run longest rows first. The logits (softcap, ALiBi,
   mask) are ``hopper_gluon.tile_logits``'.
-* delta = rowsum(dO * O) - dlse: each consumer makes its rows' delta itself before its first tile,
-  from O read from global memory while the producer's TMA brings dO, and writes it out for the
-  dK/dV kernel, which runs after this one (planner.DELTA_IN_DQ: no preprocess kernel, whose pass
-  over O and dO cost about 50 us per backward at 16k tokens, docs/design.md#backward).
+* delta = rowsum(dO * O) - dlse: each consumer makes its rows' delta itself while its first
+  tile's S and dP products run, from O read from global memory while the producer's TMA brings dO,
+  and writes it out for the dK/dV kernel, which runs after this one (planner.DELTA_IN_DQ: no preprocess kernel, whose pass
+  over O and dO cost about 50 us per backward at 16k tokens, docs/design.md#gluon-dq).
 * dropout: each consumer redraws its pairs' keep bits while its S and dP products run
   (``hopper_dropout.dropout_rows``, bit for bit ``scores.dropout_keep``); dS takes the kept dP,
   with the 1 / (1 - p) of dP moved into delta and applied to dQ once at the end.
