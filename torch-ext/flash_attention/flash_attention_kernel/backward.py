@@ -16,8 +16,9 @@ the gradients are
 
 * delta comes first: from the dQ kernel's prologue (the plain tl kernel's, or the Gluon kernel's
   consumers'), which then runs before the dK/dV kernel, or, where that prologue would slow the dQ
-  kernel down (tl warp-specialised or varlen), from ``_attn_bwd_preprocess_kernel``. fp32 inputs (FP32_EXACT) take delta = sum_j P_ij dP_ij - dlse
-  instead, PyTorch's form, from a first pass of the dQ kernel (``_attn_bwd_dq_kernel``).
+  kernel down (tl warp-specialised or varlen), from ``_attn_bwd_preprocess_kernel``. fp32 inputs
+  (FP32_EXACT) take delta = sum_j P_ij dP_ij - dlse instead, PyTorch's form, from a first pass of
+  the dQ kernel (``_attn_bwd_dq_kernel``).
 * ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys of one KV head. It streams the query
   tiles of every query head that shares this KV head (GQA/MQA), so shared K/V gradients are summed
   in registers, never by expanding K/V in memory or by atomics.

@@ -24,8 +24,9 @@ slower (docs/design.md#hopper-gluon-kernels). Here:
   mask) are ``hopper_gluon.tile_logits``'.
 * delta = rowsum(dO * O) - dlse: each consumer makes its rows' delta itself while its first
   tile's S and dP products run, from O read from global memory while the producer's TMA brings dO,
-  and writes it out for the dK/dV kernel, which runs after this one (planner.DELTA_IN_DQ: no preprocess kernel, whose pass
-  over O and dO cost about 50 us per backward at 16k tokens, docs/design.md#gluon-dq).
+  and writes it out for the dK/dV kernel, which runs after this one (planner.DELTA_IN_DQ: no
+  preprocess kernel, whose pass over O and dO cost about 50 us per backward at 16k tokens,
+  docs/design.md#gluon-dq).
 * dropout: each consumer redraws its pairs' keep bits while its S and dP products run
   (``hopper_dropout.dropout_rows``, bit for bit ``scores.dropout_keep``); dS takes the kept dP,
   with the 1 / (1 - p) of dP moved into delta and applied to dQ once at the end.
@@ -231,7 +232,8 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, str
     if MASK_LEFT_ & VARIANT:
         i = release_unread(ring, i, keys_lo, lo, KEYS)
     if lo < hi:
-        # prologue: delta while the first tile's S and dP run, then that tile's dS, masked whichever range it lies in
+        # prologue: delta while the first tile's S and dP run, then that tile's dS, masked whichever
+        # range it lies in
         s, dp = _issue_products(q, do, k_bufs, v_bufs, ring, i, s_layout)
         delta = _make_delta(out, do, Delta, DLse, stat_base, rows, HAS_DLSE)
         if DROPOUT_ & VARIANT:
