@@ -47,9 +47,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from .hopper_dropout import dropout_rows, keep_pairs, row_calls
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, chunk_buffers,
-    chunk_bytes, chunks_at, issue_into_chunks, issue_over_chunks, key_tiles, load_chunks, make_ring, operand_layout,
-    option_arguments, query_program, release_unread, round_pairs, store_chunks, stream_key_tiles, tile_arguments,
-    tile_logits, tile_logits_grad, wait_chunks, zero_chunks,
+    chunk_bytes, chunks_at, issue_into_chunks, issue_over_chunks, key_tiles, load_chunks, load_rows, make_ring,
+    operand_layout, option_arguments, query_program, release_unread, round_pairs, store_chunks, stream_key_tiles,
+    tile_arguments, tile_logits, tile_logits_grad, wait_chunks, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -98,33 +98,9 @@ def _producer(q_descs, k_descs, v_descs, do_descs, q_row, q_col, do_row, do_col,
         load_chunks(do_descs, do_row + w * ROWS, do_col, qdo_bar, do_smem, w)
     stream_key_tiles(k_descs, v_descs, k_row, k_col, v_row, v_col, k_bufs, v_bufs, ring, keys_lo, keys_hi)
 
-@gluon.constexpr_function
-def _rows_layout(width):
-    """[64, width] blocks over a warpgroup, 8 elements (16 bytes) per thread and access."""
-    across = min(width // 8, 32)
-    return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
-
-@gluon.jit
-def _load_block(base, first_row, stride_row, first_col, like):
-    """Rows first_row.. of columns first_col.. of ``base``, shaped as shared block ``like``."""
-    layout: gl.constexpr = _rows_layout(like.shape[1])
-    rows = (first_row + gl.arange(0, like.shape[0], gl.SliceLayout(1, layout))).to(gl.int64)
-    cols = first_col + gl.arange(0, like.shape[1], gl.SliceLayout(0, layout))
-    return gl.load(base + rows[:, None] * stride_row + cols[None, :])
-
-@gluon.jit
-def _load_out(out_base, first_row, stride_om, do):
-    """This warpgroup's rows of O, a block per head-dim chunk of dO's blocks ``do``."""
-    first = _load_block(out_base, first_row, stride_om, 0, do[0])
-    if len(do) == 1:
-        blocks = (first,)
-    else:
-        blocks = (first, _load_block(out_base, first_row, stride_om, do[0].shape[1], do[1]))
-    return blocks
-
 @gluon.jit
 def _row_products(out, do):
-    """rowsum(dO * O) in fp32 of O's blocks ``out`` (``_load_out``) and dO's shared blocks ``do``."""
+    """rowsum(dO * O) in fp32 of O's blocks ``out`` (``load_rows``) and dO's shared blocks ``do``."""
     sums = gl.sum(out[0].to(gl.float32) * do[0].load(out[0].type.layout).to(gl.float32), axis=1)
     if len(do) > 1:
         second = gl.sum(out[1].to(gl.float32) * do[1].load(out[1].type.layout).to(gl.float32), axis=1)
@@ -215,7 +191,7 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, str
     q = chunks_at(q_smem, WG)
     do = chunks_at(do_smem, WG)
     # for delta: O's loads are issued before the wait for dO's TMA, so that they arrive together
-    out = _load_out(Out + out_base, first_row, stride_om, do)
+    out = load_rows(Out + out_base, first_row, stride_om, do)
     if DROPOUT_ & VARIANT:  # dS = P (keep dP / (1 - p) - delta) = P (keep dP - delta (1 - p)) / (1 - p)
         softmax_scale = softmax_scale * dropout_scale
     dropout = (RngState, stream, dropout_threshold)

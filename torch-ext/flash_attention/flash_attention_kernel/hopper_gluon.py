@@ -350,11 +350,45 @@ def store_chunks(base, first_row, stride_row, accs, scale):
 
 @gluon.jit
 def _store_block(base, first_row, stride_row, first_col, block):
-    ROWS: gl.constexpr = block.shape[0]
-    WIDTH: gl.constexpr = block.shape[1]
-    rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, block.type.layout))).to(gl.int64)
-    cols = first_col + gl.arange(0, WIDTH, gl.SliceLayout(0, block.type.layout))
-    gl.store(base + rows[:, None] * stride_row + cols[None, :], block.to(base.dtype.element_ty))
+    layout: gl.constexpr = block.type.layout  # (a layout reaches a jit function as a constexpr only, Triton 3.6)
+    pointers = _block_pointers(base, first_row, stride_row, first_col, block.shape[0], block.shape[1], layout)
+    gl.store(pointers, block.to(base.dtype.element_ty))
+
+
+@gluon.constexpr_function
+def _rows_layout(width):
+    """[64, width] blocks over a warpgroup, 8 elements (16 bytes) per thread and access."""
+    across = min(width // 8, 32)
+    return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+
+
+@gluon.jit
+def load_rows(base, first_row, stride_row, blocks):
+    """A warpgroup's rows first_row.. of the head dim at ``base`` + row * ``stride_row`` + column,
+    one register block per chunk, shaped as the shared ``blocks`` (``chunks_at``'s) it will meet
+    (the loads' counterpart of ``store_chunks``)."""
+    first = _load_block(base, first_row, stride_row, 0, blocks[0])
+    if len(blocks) == 1:
+        loaded = (first,)
+    else:
+        loaded = (first, _load_block(base, first_row, stride_row, blocks[0].shape[1], blocks[1]))
+    return loaded
+
+
+@gluon.jit
+def _load_block(base, first_row, stride_row, first_col, like):
+    layout: gl.constexpr = _rows_layout(like.shape[1])
+    return gl.load(_block_pointers(base, first_row, stride_row, first_col, like.shape[0], like.shape[1], layout))
+
+
+@gluon.jit
+def _block_pointers(base, first_row, stride_row, first_col, ROWS: gl.constexpr, WIDTH: gl.constexpr,
+                    LAYOUT: gl.constexpr):
+    """Pointers of rows first_row.. (64-bit offsets) and columns first_col.. of a [ROWS, WIDTH]
+    block at ``base`` in LAYOUT."""
+    rows = (first_row + gl.arange(0, ROWS, gl.SliceLayout(1, LAYOUT))).to(gl.int64)
+    cols = first_col + gl.arange(0, WIDTH, gl.SliceLayout(0, LAYOUT))
+    return base + rows[:, None] * stride_row + cols[None, :]
 
 @gluon.jit
 def round_pairs(x, dtype: gl.constexpr):
