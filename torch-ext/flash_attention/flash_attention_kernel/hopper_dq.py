@@ -108,16 +108,16 @@ def _row_products(out, do):
     return sums
 
 @gluon.jit
-def _make_delta(out, do, Delta, DLse, stat_base, rows, HAS_DLSE: gl.constexpr):
-    """delta = rowsum(dO * O) - dlse of the warpgroup's ``rows`` from O's blocks ``out`` and dO's
-    shared blocks ``do``, stored to Delta (the dK/dV kernel, which runs after this one, and the
-    sinks' gradient read it) and returned in the layout of ``rows``."""
+def _make_delta(out, do, Delta, DLse, stat_base, first_row, HAS_DLSE: gl.constexpr):
+    """delta = rowsum(dO * O) - dlse of the warpgroup's rows first_row.. from O's blocks ``out``
+    and dO's shared blocks ``do``, stored to Delta (the dK/dV kernel, which runs after this one,
+    and the sinks' gradient read it) and returned in the layout of the row sums."""
     delta = _row_products(out, do)
-    made_rows = gl.convert_layout(rows, delta.type.layout)
+    rows = first_row + gl.arange(0, delta.shape[0], delta.type.layout)
     if HAS_DLSE:
-        delta = delta - gl.load(DLse + stat_base + made_rows)
-    gl.store(Delta + stat_base + made_rows, delta)
-    return gl.convert_layout(delta, rows.type.layout)
+        delta = delta - gl.load(DLse + stat_base + rows)
+    gl.store(Delta + stat_base + rows, delta)
+    return delta
 
 @gluon.jit
 def _issue_products(q, do, k_bufs, v_bufs, ring, i, S_LAYOUT: gl.constexpr):
@@ -211,7 +211,8 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, str
         # prologue: delta while the first tile's S and dP run, then that tile's dS, masked whichever
         # range it lies in
         s, dp = _issue_products(q, do, k_bufs, v_bufs, ring, i, s_layout)
-        delta = _make_delta(out, do, Delta, DLse, stat_base, rows, HAS_DLSE)
+        delta = _make_delta(out, do, Delta, DLse, stat_base, first_row, HAS_DLSE)
+        delta = gl.convert_layout(delta, rows.type.layout)
         if DROPOUT_ & VARIANT:
             delta = delta / dropout_scale
         ds = _score_grads(s, dp, lo, first_row, rows, lse_log2, delta, band, score, slope_log2, dropout,
@@ -232,7 +233,7 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, str
         dq = wait_chunks(0, issue_into_chunks(ds, chunks_at(k_bufs, ring.index(i + ring.STAGES - 1)), dq))
         ring.release(i + ring.STAGES - 1)  # (the last tile's buffer)
     else:  # (no key visible: delta still serves the sinks' gradient)
-        _make_delta(out, do, Delta, DLse, stat_base, rows, HAS_DLSE)
+        _make_delta(out, do, Delta, DLse, stat_base, first_row, HAS_DLSE)
     if MASK_RIGHT_ & VARIANT:
         release_unread(ring, i, hi_end, keys_hi, KEYS)
     store_chunks(DQ + dq_base, first_row, stride_dqm, dq, softmax_scale)
