@@ -545,6 +545,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             PRECISION=precision_mode(q.dtype, interpreted),
         )
         return dq, dk, dv, _sink_grad(options, lse, delta, wrap_kernel)
+
     def dq_pass():
         if plan.dq.gluon is not None:  # (it makes delta: DELTA_IN_DQ)
             plan.dq.gluon(dout, q, k, v, out, lse, dlse if has_dlse else None, delta, dq, options, layout,
