@@ -31,8 +31,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_flash_attention import HIDDEN, TOKENS  # noqa: E402  (the benchmarks' 16k-token grid)
+
 KERNEL_LAYER = Path(__file__).resolve().parent.parent / "torch-ext" / "flash_attention" / "flash_attention_kernel"
-TOKENS, HIDDEN = 16384, 2048
 DEFAULT_CASES = ["128:2048", "128:2048:causal", "128:4096:causal", "128:16384", "128:16384:causal", "64:2048",
                  "64:4096:causal"]
 SLOTS = 16  # per program: SM id; per warpgroup w at 1 + 5 w: start, Q, first P, last P V, end; 11: key tiles
