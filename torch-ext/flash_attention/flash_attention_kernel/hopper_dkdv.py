@@ -205,8 +205,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     dv_scale = 1.0
     if DROPOUT_ & VARIANT:
         dv_scale = dropout_scale
-    store_chunks(DK + dk_base, first_key, stride_dkn, dk, softmax_scale)
-    store_chunks(DV + dv_base, first_key, stride_dvn, dv, dv_scale)
+    # (through this warpgroup's K and V buffers: their last products have finished)
+    store_chunks(DK + dk_base, first_key, stride_dkn, dk, softmax_scale, k)
+    store_chunks(DV + dv_base, first_key, stride_dvn, dv, dv_scale, v)
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b,

@@ -236,7 +236,8 @@ def _consumer(q_smem, do_smem, k_bufs, v_bufs, qdo_bar, ring, Out, out_base, str
         _make_delta(out, do, Delta, DLse, stat_base, first_row, HAS_DLSE)
     if MASK_RIGHT_ & VARIANT:
         release_unread(ring, i, hi_end, keys_hi, KEYS)
-    store_chunks(DQ + dq_base, first_row, stride_dqm, dq, softmax_scale)
+    # (through this warpgroup's Q buffers: its last S product has finished)
+    store_chunks(DQ + dq_base, first_row, stride_dqm, dq, softmax_scale, q)
 
 @gluon.jit
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b,

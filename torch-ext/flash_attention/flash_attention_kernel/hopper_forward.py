@@ -323,7 +323,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ring, Out, out_base, stride_om, Lse
         inv_sum = inv_sum * dropout_scale
     lse = gl.where(empty_row, float("inf"), (row_max + gl.log2(gl.where(empty_row, 1.0, row_sum))) * LN2_)
     gl.store(Lse + lse_base + rows, lse)
-    store_chunks(Out + out_base, first_row, stride_om, scale_rows(o, inv_sum), 1.0)
+    # (through this warpgroup's Q buffers: its last S product has finished)
+    store_chunks(Out + out_base, first_row, stride_om, scale_rows(o, inv_sum), 1.0, q)
 
 @gluon.jit
 def _forward_kernel(q_desc, k_desc, v_desc, q_desc_b, k_desc_b, v_desc_b,

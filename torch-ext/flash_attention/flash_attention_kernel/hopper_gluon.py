@@ -339,20 +339,26 @@ def scale_rows(accs, factor):
 
 
 @gluon.jit
-def store_chunks(base, first_row, stride_row, accs, scale):
-    """Store rows first_row.. of the chunks' accumulators ``accs`` times ``scale`` at ``base`` +
-    row * ``stride_row`` + column, each chunk at its columns of the head dim, in ``base``'s dtype."""
-    WIDTH: gl.constexpr = accs[0].shape[1]
-    _store_block(base, first_row, stride_row, 0, accs[0] * scale)
+def store_chunks(base, first_row, stride_row, accs, scale, staging):
+    """Store rows first_row.. of the chunks' accumulators ``accs`` at ``base`` + row * ``stride_row`` + column,
+    each chunk at its columns of the head dim, through shared memory: each chunk times ``scale``, rounded to
+    ``base``'s dtype, goes into ``staging`` (the warpgroup's own chunk buffers of the same shapes and dtype,
+    whose last reader has finished) and comes back in rows of 16-byte accesses (``_rows_layout``), so that each
+    warp stores whole rows. Stored straight from the wgmma accumulator layout, each access holds 4 bytes and a
+    warp's store touches 8 rows: the forward's epilogue took 2.8k cycles per program that way, about a key
+    tile's time (docs/design.md#where-a-short-calls-program-spends-its-time)."""
+    _store_block(base, first_row, stride_row, 0, accs[0] * scale, staging[0])
     if len(accs) > 1:
-        _store_block(base, first_row, stride_row, WIDTH, accs[1] * scale)
+        _store_block(base, first_row, stride_row, accs[0].shape[1], accs[1] * scale, staging[1])
 
 
 @gluon.jit
-def _store_block(base, first_row, stride_row, first_col, block):
-    layout: gl.constexpr = block.type.layout  # (a layout reaches a jit function as a constexpr only, Triton 3.6)
+def _store_block(base, first_row, stride_row, first_col, block, buffer):
+    gl.static_assert(buffer.dtype == base.dtype.element_ty, "the staging buffers hold the output's dtype")
+    buffer.store(block.to(base.dtype.element_ty))
+    layout: gl.constexpr = _rows_layout(block.shape[1])
     pointers = _block_pointers(base, first_row, stride_row, first_col, block.shape[0], block.shape[1], layout)
-    gl.store(pointers, block.to(base.dtype.element_ty))
+    gl.store(pointers, buffer.load(layout))
 
 
 @gluon.constexpr_function
