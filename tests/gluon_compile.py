@@ -55,6 +55,12 @@ assert compiled.asm["cubin"]
 assert "setmaxnreg" in compiled.asm["ptx"]  # the warp roles got their register budgets
 # within sm_90's shared memory per block (227 KB): more compiles but fails at launch
 assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+# the wgmma pipeline as written: where ptxas cannot keep an async wgmma's registers untouched until
+# its wait, it serialises every wgmma (its warning C7514, which Triton does not show), a wait after
+# each HGMMA that runs correctly and slower; a pipelined kernel waits once per product or less
+sass = compiled.asm["sass"]
+hgmma, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
+assert hgmma and waits * 2 < hgmma, f"ptxas serialised the wgmmas: {waits} waits for {hgmma} HGMMAs"
 import os
 if os.environ.get("GLUON_PTX_DIR"):  # the code alone (resource_report's cut), to diff two trees' kernels
     sys.path.insert(0, BENCHMARKS)
