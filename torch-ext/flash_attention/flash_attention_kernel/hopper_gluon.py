@@ -346,7 +346,8 @@ def store_chunks(base, first_row, stride_row, accs, scale, staging):
     whose last reader has finished) and comes back in rows of 16-byte accesses (``_rows_layout``), so that each
     warp stores whole rows. Stored straight from the wgmma accumulator layout, each access holds 4 bytes and a
     warp's store touches 8 rows: the forward's epilogue took 2.8k cycles per program that way, about a key
-    tile's time, and takes 0.9-1.1k this way at d128 on an H200 (docs/design.md#where-a-short-calls-program-spends-its-time)."""
+    tile's time, and takes 0.9-1.1k this way at d128 on an H200
+    (docs/design.md#where-a-short-calls-program-spends-its-time)."""
     _store_block(base, first_row, stride_row, 0, accs[0] * scale, staging[0])
     if len(accs) > 1:
         _store_block(base, first_row, stride_row, accs[0].shape[1], accs[1] * scale, staging[1])
