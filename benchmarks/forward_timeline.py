@@ -17,7 +17,8 @@ first-tile probe empty. A call the route does not give the Gluon forward (tl: sh
 shapes) records nothing and says so.
 
 Stop 58's table (docs/design.md#where-a-short-calls-program-spends-its-time) came from the first
-form of these probes, on an H200.
+form of these probes, on an H200; stop 59 ran this tool there under Triton 3.6 and 3.9 (the staged
+epilogues' cycles in design.md, 3.9's cycles per key tile in docs/gpus.md).
 
 Usage: python benchmarks/forward_timeline.py [--cases 128:2048:causal 64:2048 ...] [--save out.pt]
 """
