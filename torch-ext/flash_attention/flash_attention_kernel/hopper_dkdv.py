@@ -34,7 +34,9 @@ At head dims 80 and 96 every tile and accumulator over the head dim is two chunk
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
@@ -43,6 +45,10 @@ from .hopper_gluon import (
     operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits, tile_logits_grad,
     tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# TMA's reduction into global memory (Triton 3.8 on; the fused dQ experiment needs it)
+tma_atomic_add = getattr(tma, "async_atomic_add", None)
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
 from .launch import SequenceLayout
@@ -60,7 +66,7 @@ def _tma_vector(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions, layout: SequenceLayout,
-                   config: GluonConfig) -> None:
+                   config: GluonConfig, dq_accum=None) -> None:
     """Write dK and dV (softmax_scale applied) of a call the planner gave this kernel, with its
     ``config`` (planner.plan_backward); lse and delta are
     (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
@@ -70,12 +76,26 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
+    dq_desc = None if dq_accum is None else _dq_accum_descriptor(dq_accum, rows)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,
-        GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, num_warps=4,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc,
+        GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, FUSED_DQ=dq_accum is not None,
+        num_warps=4,
     )
+
+
+def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
+    """TMA descriptor of fp32 ``dq_accum`` (batch, seqlen_q, heads, head_dim), contiguous like q,
+    as rows of heads * head_dim in blocks of ``rows`` rows by half a head dim (each consumer
+    warpgroup adds its half of a tile's dQ)."""
+    batch, seqlen, heads, head_dim = dq_accum.shape
+    assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
+    block = [rows, head_dim // 2]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(dq_accum.view(batch * seqlen, heads * head_dim), [batch * seqlen, heads * head_dim],
+                            [heads * head_dim, 1], block, layout)
 
 
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
@@ -115,8 +135,9 @@ def _producer(q_descs, k_descs, v_descs, do_descs, lse_desc, delta_desc, q_rows,
 
 @gluon.jit
 def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m, keys, first_key, band,
-                score, slope_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
-                OPERAND_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+                score, slope_log2, dropout, dropout_scale, stream, fused, dq_at, S_LAYOUT: gl.constexpr,
+                OPERAND_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr,
+                WG: gl.constexpr, FUSED_DQ: gl.constexpr):
     """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i`` (K, V, Q,
     dO, dK and dV in head-dim chunks). MASKED: the tile crosses a band edge."""
     dtype: gl.constexpr = q_bufs[0].dtype
@@ -148,16 +169,57 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
     ds = tile_logits_grad(p * (dp - delta[None, :]), capped, queries[None, :], keys[:, None], band, MASKED,
                           VARIANT)
     dv = issue_into_chunks(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv)
-    dk = issue_into_chunks(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk)
-    dv, dk = wait_chunk_pairs(0, dv, dk)
-    ring.release(i)
+    ds_rounded = ds.to(dtype)
+    dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
+    if FUSED_DQ:
+        dk, dv = _fused_dq(dk, dv, ds_rounded, ring, i, fused, dq_at, WG)
+    else:
+        dv, dk = wait_chunk_pairs(0, dv, dk)
+        ring.release(i)
     return dk, dv
+
+@gluon.jit
+def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
+    """EXPERIMENT: with this tile's dV and dK products in flight, add its dQ = dS K (unscaled) for
+    the tile's 64 query rows into dq_accum: both warpgroups put their dS^T (keys by rows) in shared
+    memory, wait for each other, and each forms half of dQ's columns over all 128 keys of the
+    program (FlashAttention-3's split), staged in shared memory and added by one TMA reduction.
+    ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
+    warpgroups' keys, dq_stage [2, ROWS, D / 2] fp32, ds_ready and ds_free [2, 1] mbarriers of
+    count 2, dq_desc); ``dq_at`` = (row, column) of the tile's dQ in dq_accum's rows."""
+    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc = fused
+    dq_row, dq_col = dq_at
+    HALF: gl.constexpr = dq_stage.shape[2]
+    gl.static_assert(HALF == 64, "the fused dQ splits a head dim of 128 at a 128-byte swizzle boundary")
+    parity = i % 2
+    phase = (i // 2) & 1
+    # the buffers of this parity are free once both warpgroups' dQ products two tiles ago have finished
+    mbarrier.wait(ds_free.index(parity), phase ^ 1)
+    ds_bufs.index(parity * 2 + WG).store(ds)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(parity), count=1)
+    mbarrier.wait(ds_ready.index(parity), phase)
+    acc = gl.zeros([ROWS, HALF], gl.float32, accumulator_layout(HALF))
+    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_all.index(0).slice(WG * HALF, HALF, 1), acc,
+                        use_acc=False, is_async=True)
+    acc = warpgroup_mma(ds_bufs.index(parity * 2 + 1).permute((1, 0)), k_all.index(1).slice(WG * HALF, HALF, 1),
+                        acc, is_async=True)
+    dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
+    mbarrier.arrive(ds_free.index(parity), count=1)
+    ring.release(i)
+    tma.store_wait(0)  # (the last reduction has read the staging buffer)
+    stage = dq_stage.index(WG)
+    stage.store(acc)
+    fence_async_shared()
+    tma_atomic_add(dq_desc, [dq_row, dq_col + WG * HALF], stage)
+    return (dk0,), (dv0,)
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
               DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band, score,
-              softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, WG: gl.constexpr,
-              GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+              softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, fused, dq_rows,
+              WG: gl.constexpr, GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr,
+              FUSED_DQ: gl.constexpr):
     """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over the query tiles [m_lo,
     m_hi) the producer streams, of every query head of the group."""
     s_layout: gl.constexpr = accumulator_layout(ROWS)
@@ -175,7 +237,11 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     # this warpgroup's query tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the
     # ones before lo and from hi_end on it does not see (streamed for the other warpgroup)
     lo, full_lo, full_hi, hi = _query_tiles(first_key, first_key + KEYS - 1, seqlen_q, band, VARIANT)
+    if FUSED_DQ:  # both warpgroups visit every tile the program streams (masked where one sees none)
+        lo = m_lo
+        hi = m_hi
     hi_end = gl.maximum(gl.cdiv(hi, ROWS) * ROWS, lo)
+    dq_row0, q_head_rows, dq_col0, q_head_cols = dq_rows
     mbarrier.wait(kv_bar, 0)
     i = 0
     for g in range(GROUP_SIZE):
@@ -188,20 +254,25 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
             for m in range(lo, full_lo, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, pds_layout, True, VARIANT, ALIBI_ABS)
+                                     fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, True, VARIANT,
+                                     ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
         for m in range(full_lo, full_hi, ROWS):
             dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                  keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                 s_layout, pds_layout, False, VARIANT, ALIBI_ABS)
+                                 fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, False, VARIANT,
+                                 ALIBI_ABS, WG, FUSED_DQ)
             i += 1
         if MASK_LEFT_ & VARIANT:
             for m in range(full_hi, hi, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, pds_layout, True, VARIANT, ALIBI_ABS)
+                                     fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, True, VARIANT,
+                                     ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
             i = release_unread(ring, i, hi_end, m_hi, ROWS)
+    if FUSED_DQ:
+        tma.store_wait(0)
     dv_scale = 1.0
     if DROPOUT_ & VARIANT:
         dv_scale = dropout_scale
@@ -216,9 +287,9 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
-                 AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
+                 AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale, dq_desc,
                  GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                 VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+                 VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
     ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs."""
@@ -248,16 +319,28 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     # the group's first query head as a row of (batch, heads): its lse / delta row, its Philox stream
     first_row = batch * num_heads + head
     slopes = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the group's ALiBi slopes)
+    fused = kv_bar  # (a stand-in: partitions take no None)
+    if FUSED_DQ:  # EXPERIMENT (_fused_dq)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(ds_ready.index(b), count=2)
+            mbarrier.init(ds_free.index(b), count=2)
+        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_desc)
+    dq_rows = (batch * q_batch_rows + head * q_head_rows, q_head_rows, head * q_head_cols, q_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
-                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, FIRST,
-                     GROUP_SIZE, VARIANT, ALIBI_ABS)),
+                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, fused,
+                     dq_rows, FIRST, GROUP_SIZE, VARIANT, ALIBI_ABS, FUSED_DQ)),
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
-                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, SECOND,
-                     GROUP_SIZE, VARIANT, ALIBI_ABS)),
+                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, fused,
+                     dq_rows, SECOND, GROUP_SIZE, VARIANT, ALIBI_ABS, FUSED_DQ)),
         (_producer, (q_descs, k_descs, v_descs, do_descs, lse_desc, delta_desc,
                      batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                      batch * k_batch_rows + kv_head * k_head_rows + start_key,
