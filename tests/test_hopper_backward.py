@@ -91,7 +91,7 @@ if kernel == "dkdv":
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
         seqlen_q="i32", diag="i32", num_heads="i32")
     function = module._dkdv_kernel
-    extra = {}
+    extra = dict(dq_desc=None, FUSED_DQ=False)  # (the fused dQ experiment off)
 else:
     arguments = dict(
         Out="*bf16", Lse="*fp32", DLse="*fp32", Delta="*fp32", stride_stat_b="i64", stride_stat_h="i64", DQ="*bf16",
