@@ -89,7 +89,7 @@ if kernel == "dkdv":
     arguments = dict(
         lse_desc=stats, delta_desc=stats, DK="*bf16", DV="*bf16",
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
-        seqlen_q="i32", diag="i32", num_heads="i32")
+        seqlen_q="i32", diag="i32", num_heads="i32", dq_batch_rows="i32", dq_head_rows="i32", dq_head_cols="i32")
     function = module._dkdv_kernel
     extra = dict(dq_desc=None, FUSED_DQ=False)  # (the fused dQ experiment off)
 else:
@@ -193,6 +193,47 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, ta
     for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), ours, tl_kernel, same_dtype, truth):
         assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
         assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
+
+
+FUSED_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "fewer-queries-causal",
+                                                      "more-queries-causal", "odd-query-tile-causal", "bhsd-view",
+                                                      "qkv-packed")]
+
+
+def _fused_available(fa):
+    route = fa.flash_attention_kernel.hopper_route
+    module = route.load_kernel_module("hopper_dkdv") if ON_HOPPER else None
+    return module is not None and module.tma_atomic_add is not None
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("options", [{}, dict(softcap=8.0), dict(window_size=(100, 37))], ids=["plain", "softcap", "window"])
+@pytest.mark.parametrize("name, make, causal, taken", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_dq_experiment(fa, monkeypatch, name, make, causal, taken, options):
+    """EXPERIMENT (hopper_route.FUSED_DQ, off by default): the dK/dV kernel adding dQ by TMA
+    reductions meets the float64 bar where it takes the call (Triton 3.8 on)."""
+    if not _fused_available(fa):
+        pytest.skip("the fused dQ needs Gluon's TMA reductions (Triton 3.8 on)")
+    q, k, v = make(BF16)
+    if options.get("softcap"):
+        q = q * 4
+    dout = torch.randn_like(q)
+    kernels = fa.flash_attention_kernel
+    monkeypatch.setattr(kernels.hopper_route, "FUSED_DQ", True)
+    monkeypatch.setattr(kernels.planner, "_PLANS", {})
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    window = options.get("window_size", (-1, -1))
+    attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, window_left=window[0], window_right=window[1],
+                                         softcap=options.get("softcap", 0.0))
+    assert kernels.planner.plan_backward(attention, layout, False, q, k, v, dout).fused == taken[0]
+    ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, **options)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    reference = dict(softcap=options.get("softcap", 0.0), window=window)
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **reference)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **reference)
+    for label, mine, pt, exact in zip(("dq", "dk", "dv"), ours, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")

@@ -51,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 tma_atomic_add = getattr(tma, "async_atomic_add", None)
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
-from .launch import SequenceLayout
+from .launch import RowGeometry, SequenceLayout
 from .options import AttentionOptions
 
 # query rows per ring buffer (the wgmma N of S^T, K of dV and dK), keys per consumer warpgroup (the wgmma M of S^T)
@@ -76,18 +76,30 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
-    dq_desc = None if dq_accum is None else _dq_accum_descriptor(dq_accum, rows)
+    dq_desc, dq_geometry = None, (0, 0, 0)
+    if dq_accum is not None:
+        dq_desc = _dq_accum_descriptor(dq_accum, rows)
+        g = RowGeometry.of(dq_accum, layout)
+        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc, *dq_geometry,
         GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, FUSED_DQ=dq_accum is not None,
         num_warps=4,
     )
 
 
+def attention_dkdv_dq(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options: AttentionOptions,
+                      layout: SequenceLayout, config: GluonConfig) -> None:
+    """EXPERIMENT (hopper_route.FUSED_DQ): the fused backward's launch, as backward.py calls
+    ampere_backward's: dK and dV, and softmax_scale * dQ added to the zeroed fp32 ``dq_accumulator``
+    (q's shape, contiguous), delta already made."""
+    attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout, config, dq_accum=dq_accumulator)
+
+
 def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
-    """TMA descriptor of fp32 ``dq_accum`` (batch, seqlen_q, heads, head_dim), contiguous like q,
+    """TMA descriptor of fp32 ``dq_accum`` (batch, seqlen_q, heads, head_dim), contiguous,
     as rows of heads * head_dim in blocks of ``rows`` rows by half a head dim (each consumer
     warpgroup adds its half of a tile's dQ)."""
     batch, seqlen, heads, head_dim = dq_accum.shape
@@ -181,13 +193,13 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
 @gluon.jit
 def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     """EXPERIMENT: with this tile's dV and dK products in flight, add its dQ = dS K (unscaled) for
-    the tile's 64 query rows into dq_accum: both warpgroups put their dS^T (keys by rows) in shared
+    the tile's 64 query rows, times softmax_scale, into dq_accum: both warpgroups put their dS^T (keys by rows) in shared
     memory, wait for each other, and each forms half of dQ's columns over all 128 keys of the
     program (FlashAttention-3's split), staged in shared memory and added by one TMA reduction.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
     warpgroups' keys, dq_stage [2, ROWS, D / 2] fp32, ds_ready and ds_free [2, 1] mbarriers of
-    count 2, dq_desc); ``dq_at`` = (row, column) of the tile's dQ in dq_accum's rows."""
-    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc = fused
+    count 2, dq_desc, softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in dq_accum's rows."""
+    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc, softmax_scale = fused
     dq_row, dq_col = dq_at
     HALF: gl.constexpr = dq_stage.shape[2]
     gl.static_assert(HALF == 64, "the fused dQ splits a head dim of 128 at a 128-byte swizzle boundary")
@@ -209,7 +221,7 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     ring.release(i)
     tma.store_wait(0)  # (the last reduction has read the staging buffer)
     stage = dq_stage.index(WG)
-    stage.store(acc)
+    stage.store(acc * softmax_scale)
     fence_async_shared()
     tma_atomic_add(dq_desc, [dq_row, dq_col + WG * HALF], stage)
     return (dk0,), (dv0,)
@@ -288,7 +300,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
                  AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale, dq_desc,
-                 GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 dq_batch_rows, dq_head_rows, dq_head_cols, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
@@ -329,8 +341,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
         for b in gl.static_range(2):
             mbarrier.init(ds_ready.index(b), count=2)
             mbarrier.init(ds_free.index(b), count=2)
-        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_desc)
-    dq_rows = (batch * q_batch_rows + head * q_head_rows, q_head_rows, head * q_head_cols, q_head_cols)
+        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_desc, softmax_scale)
+    dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
