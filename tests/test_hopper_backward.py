@@ -219,15 +219,22 @@ def test_fused_dq_experiment(fa, monkeypatch, name, make, causal, taken, options
         q = q * 4
     dout = torch.randn_like(q)
     kernels = fa.flash_attention_kernel
-    monkeypatch.setattr(kernels.hopper_route, "FUSED_DQ", True)
-    monkeypatch.setattr(kernels.planner, "_PLANS", {})
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
     layout = kernels.launch.SequenceLayout.of(q, k)
     window = options.get("window_size", (-1, -1))
     attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, window_left=window[0], window_right=window[1],
                                          softcap=options.get("softcap", 0.0))
-    assert kernels.planner.plan_backward(attention, layout, False, q, k, v, dout).fused == taken[0]
-    ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, **options)
+    # (plans and prepared calls do not key on the flag: emptied on the way in and out)
+    kernels.hopper_route.FUSED_DQ = True
+    for cached in kernels.configs._DERIVED_CACHES:
+        cached.cache_clear()
+    try:
+        assert kernels.planner.plan_backward(attention, layout, False, q, k, v, dout).fused == taken[0]
+        ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, **options)
+    finally:
+        kernels.hopper_route.FUSED_DQ = False
+        for cached in kernels.configs._DERIVED_CACHES:
+            cached.cache_clear()
     scale = 1.0 / math.sqrt(q.shape[-1])
     reference = dict(softcap=options.get("softcap", 0.0), window=window)
     _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **reference)
