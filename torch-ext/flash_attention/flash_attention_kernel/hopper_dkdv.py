@@ -49,6 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # TMA's reduction into global memory (Triton 3.8 on; the fused dQ experiment needs it)
 tma_atomic_add = getattr(tma, "async_atomic_add", None)
+TMA_REDUCE = gl.constexpr(tma_atomic_add is not None)  # (else fp32 atomics from the staged rows)
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
 from .launch import RowGeometry, SequenceLayout
@@ -76,15 +77,17 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
-    dq_desc, dq_geometry = None, (0, 0, 0)
+    dq_desc, dq_pointer, dq_geometry = None, (dk, 0), (0, 0, 0)  # (dk: an unread stand-in)
     if dq_accum is not None:
-        dq_desc = _dq_accum_descriptor(dq_accum, rows)
         g = RowGeometry.of(dq_accum, layout)
+        dq_desc = _dq_accum_descriptor(dq_accum, rows) if tma_atomic_add is not None else None
+        dq_pointer = (dq_accum, g.stride_row)
         dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc, *dq_geometry,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc, *dq_pointer,
+        *dq_geometry,
         GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, FUSED_DQ=dq_accum is not None,
         num_warps=4,
     )
@@ -198,11 +201,11 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     program (FlashAttention-3's split), staged in shared memory and added by one TMA reduction.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
     warpgroups' keys, dq_stage [2, ROWS, D / 2] fp32, ds_ready and ds_free [2, 1] mbarriers of
-    count 2, dq_desc, softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in dq_accum's rows."""
-    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc, softmax_scale = fused
+    count 2, (dq_desc or None, the accumulator, its row stride), softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in dq_accum's rows."""
+    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_out, softmax_scale = fused
     dq_row, dq_col = dq_at
     HALF: gl.constexpr = dq_stage.shape[2]
-    gl.static_assert(HALF == 64, "the fused dQ splits a head dim of 128 at a 128-byte swizzle boundary")
+    gl.static_assert(k_all.shape[2] == 2 * HALF, "the fused dQ splits a head dim of 128 at a 128-byte swizzle boundary")
     parity = i % 2
     phase = (i // 2) & 1
     # the buffers of this parity are free once both warpgroups' dQ products two tiles ago have finished
@@ -219,11 +222,19 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
     mbarrier.arrive(ds_free.index(parity), count=1)
     ring.release(i)
-    tma.store_wait(0)  # (the last reduction has read the staging buffer)
     stage = dq_stage.index(WG)
-    stage.store(acc * softmax_scale)
-    fence_async_shared()
-    tma_atomic_add(dq_desc, [dq_row, dq_col + WG * HALF], stage)
+    if TMA_REDUCE:
+        tma.store_wait(0)  # (the last reduction has read the staging buffer)
+        stage.store(acc * softmax_scale)
+        fence_async_shared()
+        tma_atomic_add(dq_out[0], [dq_row, dq_col + WG * HALF], stage)
+    else:  # (Triton 3.6-3.7: relaxed fp32 atomics, 4 neighbouring columns a thread, from the staged rows)
+        _, DQ, stride_dq_row = dq_out
+        stage.store(acc * softmax_scale)
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        rows = (dq_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))).to(gl.int64)
+        cols = dq_col + WG * HALF + gl.arange(0, HALF, gl.SliceLayout(0, layout))
+        gl.atomic_add(DQ + rows[:, None] * stride_dq_row + cols[None, :], stage.load(layout), sem="relaxed")
     return (dk0,), (dv0,)
 
 @gluon.jit
@@ -283,7 +294,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
                                      ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
             i = release_unread(ring, i, hi_end, m_hi, ROWS)
-    if FUSED_DQ:
+    if FUSED_DQ and TMA_REDUCE:
         tma.store_wait(0)
     dv_scale = 1.0
     if DROPOUT_ & VARIANT:
@@ -300,7 +311,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
                  AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale, dq_desc,
-                 dq_batch_rows, dq_head_rows, dq_head_cols, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 DQacc, stride_dqacc_row, dq_batch_rows, dq_head_rows, dq_head_cols, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
@@ -335,13 +346,14 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     if FUSED_DQ:  # EXPERIMENT (_fused_dq)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], gl.float32)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], stage_layout)  # (KEYS: half of d128)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
             mbarrier.init(ds_ready.index(b), count=2)
             mbarrier.init(ds_free.index(b), count=2)
-        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_desc, softmax_scale)
+        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, (dq_desc, DQacc, stride_dqacc_row), softmax_scale)
     dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([

@@ -62,15 +62,13 @@ FUSED_DQ = False
 def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
     """Whether the backward takes the fused dK/dV/dQ kernel: FUSED_DQ, the Gluon dK/dV kernel
     chosen for the call with no override on either pass, head dim 128, no dropout, no determinism
-    asked for (dQ is summed by TMA reductions in whatever order programs reach them), and a Triton
-    whose Gluon has TMA reductions (3.8 on)."""
+    asked for (dQ is summed by reductions in whatever order programs reach them)."""
     if (not FUSED_DQ or options.deterministic or options.dropout_p > 0 or tensors[0].shape[-1] != 128
             or configs.OVERRIDES.get("bwd_dq") or configs.OVERRIDES.get("bwd_dkdv")):
         return False
     if not chosen("bwd_dkdv", options, layout, interpreted, tensors):
         return False
-    module = load_kernel_module("hopper_dkdv")
-    return module is not None and module.tma_atomic_add is not None
+    return load_kernel_module("hopper_dkdv") is not None
 
 
 def chosen(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
