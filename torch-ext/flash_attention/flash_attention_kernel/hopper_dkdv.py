@@ -108,12 +108,14 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
     batch, seqlen, heads, head_dim = dq_accum.shape
     assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
     block = [rows, head_dim // 2]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(dq_accum.view(batch * seqlen, heads * head_dim), [batch * seqlen, heads * head_dim],
-                            [heads * head_dim, 1], block, layout)
+                            [heads * head_dim, 1], block, DQ_STAGE_LAYOUT)
 
 
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
+# the fused dQ's fp32 staging (EXPERIMENT): unswizzled, since a TMA box's rows may exceed the 128-byte
+# swizzle only where the copy is split, which the reduction's lowering was not seen to do
+DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 KEYS = gl.constexpr(KEY_ROWS)
 ROWS = gl.constexpr(QUERY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
@@ -346,8 +348,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     if FUSED_DQ:  # EXPERIMENT (_fused_dq)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
-        stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], gl.float32)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], stage_layout)  # (KEYS: half of d128)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], DQ_STAGE_LAYOUT)  # (KEYS: half of d128)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):
