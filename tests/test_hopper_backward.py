@@ -198,7 +198,7 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, ta
 
 FUSED_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "fewer-queries-causal",
                                                       "more-queries-causal", "odd-query-tile-causal", "bhsd-view",
-                                                      "qkv-packed")]
+                                                      "qkv-packed", "d64-gqa-causal", "d64-more-queries")]
 
 
 def _fused_available(fa):
@@ -209,7 +209,7 @@ def _fused_available(fa):
 @pytest.mark.parametrize("options", [{}, dict(softcap=8.0), dict(window_size=(100, 37))], ids=["plain", "softcap", "window"])
 @pytest.mark.parametrize("name, make, causal, taken", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
 def test_fused_dq_experiment(fa, monkeypatch, name, make, causal, taken, options):
-    """EXPERIMENT (hopper_route.FUSED_DQ, off by default): the dK/dV kernel adding dQ by TMA
+    """EXPERIMENT (hopper_route.FUSED_DQ, off by default): the dK/dV kernel adding dQ (head dims 64, 128) by TMA
     reductions (Triton 3.8 on) or fp32 atomics meets the float64 bar where it takes the call."""
     if not _fused_available(fa):
         pytest.skip("the Gluon dK/dV kernel does not build under this Triton")

@@ -103,11 +103,11 @@ def attention_dkdv_dq(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options
 
 def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
     """TMA descriptor of fp32 ``dq_accum`` (batch, seqlen_q, heads, head_dim), contiguous,
-    as rows of heads * head_dim in blocks of ``rows`` rows by half a head dim (each consumer
-    warpgroup adds its half of a tile's dQ)."""
+    as rows of heads * head_dim in blocks of ``rows`` rows by 64 columns (what one consumer
+    warpgroup adds of a tile's dQ: half of head dim 128, all of 64)."""
     batch, seqlen, heads, head_dim = dq_accum.shape
     assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
-    block = [rows, head_dim // 2]
+    block = [rows, 64]
     return TensorDescriptor(dq_accum.view(batch * seqlen, heads * head_dim), [batch * seqlen, heads * head_dim],
                             [heads * head_dim, 1], block, DQ_STAGE_LAYOUT)
 
@@ -197,47 +197,74 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
 
 @gluon.jit
 def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
-    """EXPERIMENT: with this tile's dV and dK products in flight, add its dQ = dS K (unscaled) for
-    the tile's 64 query rows, times softmax_scale, into dq_accum: both warpgroups put their dS^T (keys by rows) in shared
-    memory, wait for each other, and each forms half of dQ's columns over all 128 keys of the
-    program (FlashAttention-3's split), staged in shared memory and added by one TMA reduction.
+    """EXPERIMENT: with this tile's dV and dK products in flight, add its dQ = dS K for the tile's
+    64 query rows, times softmax_scale, into dq_accum. Both warpgroups put their dS^T (keys by
+    rows) in shared memory; dQ is formed over all 128 keys of the program from there, staged in
+    shared memory and added by a TMA reduction (fp32 atomics before Triton 3.8). At head dim 128
+    each warpgroup forms half of dQ's columns once both dS^T are in (FlashAttention-3's split);
+    at 64, whose 64-column K tiles cannot be split at a 128-byte swizzle boundary, the
+    warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
+    waits for the other's dS^T.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
-    warpgroups' keys, dq_stage [2, ROWS, D / 2] fp32, ds_ready and ds_free [2, 1] mbarriers of
-    count 2, (dq_desc or None, the accumulator, its row stride), softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in dq_accum's rows."""
+    warpgroups' keys, dq_stage [2, ROWS, 64] fp32, ds_ready and ds_free [2, 1] mbarriers, (dq_desc
+    or None, the accumulator, its row stride), softmax_scale); ``dq_at`` = (row, column) of the
+    tile's dQ in dq_accum's rows."""
     ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_out, softmax_scale = fused
     dq_row, dq_col = dq_at
-    HALF: gl.constexpr = dq_stage.shape[2]
-    gl.static_assert(k_all.shape[2] == 2 * HALF, "the fused dQ splits a head dim of 128 at a 128-byte swizzle boundary")
+    WIDTH: gl.constexpr = dq_stage.shape[2]  # (dQ columns one warpgroup forms)
+    SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
+    gl.static_assert(SPLIT or k_all.shape[2] == WIDTH, "the fused dQ holds head dims 64 and 128")
     parity = i % 2
     phase = (i // 2) & 1
-    # the buffers of this parity are free once both warpgroups' dQ products two tiles ago have finished
+    # the buffers of this parity are free once the dQ products that read them two tiles ago have finished
     mbarrier.wait(ds_free.index(parity), phase ^ 1)
     ds_bufs.index(parity * 2 + WG).store(ds)
     fence_async_shared()
     mbarrier.arrive(ds_ready.index(parity), count=1)
-    mbarrier.wait(ds_ready.index(parity), phase)
-    acc = gl.zeros([ROWS, HALF], gl.float32, accumulator_layout(HALF))
-    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_all.index(0).slice(WG * HALF, HALF, 1), acc,
+    if SPLIT:
+        mbarrier.wait(ds_ready.index(parity), phase)
+        acc = _dq_product(ds_bufs, k_all, parity, WG * WIDTH, WIDTH)
+        dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
+        mbarrier.arrive(ds_free.index(parity), count=1)
+        ring.release(i)
+        _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_out, dq_row, dq_col + WG * WIDTH)
+    else:
+        if parity == WG:  # (this warpgroup's turn)
+            mbarrier.wait(ds_ready.index(parity), phase)
+            acc = _dq_product(ds_bufs, k_all, parity, 0, WIDTH)
+            dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
+            mbarrier.arrive(ds_free.index(parity), count=1)
+            _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_out, dq_row, dq_col)
+        else:
+            dk0, dv0 = warpgroup_mma_wait(0, deps=(dk[0], dv[0]))
+        ring.release(i)
+    return (dk0,), (dv0,)
+
+@gluon.jit
+def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
+    """dS [ROWS, 128 keys] times the program's K at columns first_col.. (WIDTH of them), from both
+    warpgroups' dS^T of this parity; in flight."""
+    acc = gl.zeros([ROWS, WIDTH], gl.float32, accumulator_layout(WIDTH))
+    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_all.index(0).slice(first_col, WIDTH, 1), acc,
                         use_acc=False, is_async=True)
-    acc = warpgroup_mma(ds_bufs.index(parity * 2 + 1).permute((1, 0)), k_all.index(1).slice(WG * HALF, HALF, 1),
-                        acc, is_async=True)
-    dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
-    mbarrier.arrive(ds_free.index(parity), count=1)
-    ring.release(i)
-    stage = dq_stage.index(WG)
+    return warpgroup_mma(ds_bufs.index(parity * 2 + 1).permute((1, 0)), k_all.index(1).slice(first_col, WIDTH, 1),
+                         acc, is_async=True)
+
+@gluon.jit
+def _add_dq(dq, stage, dq_out, row, col):
+    """Add fp32 ``dq`` [ROWS, WIDTH] at (row, col) of the accumulator's rows, through ``stage``."""
     if TMA_REDUCE:
         tma.store_wait(0)  # (the last reduction has read the staging buffer)
-        stage.store(acc * softmax_scale)
+        stage.store(dq)
         fence_async_shared()
-        tma_atomic_add(dq_out[0], [dq_row, dq_col + WG * HALF], stage)
+        tma_atomic_add(dq_out[0], [row, col], stage)
     else:  # (Triton 3.6-3.7: relaxed fp32 atomics, 4 neighbouring columns a thread, from the staged rows)
         _, DQ, stride_dq_row = dq_out
-        stage.store(acc * softmax_scale)
+        stage.store(dq)
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        rows = (dq_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))).to(gl.int64)
-        cols = dq_col + WG * HALF + gl.arange(0, HALF, gl.SliceLayout(0, layout))
+        rows = (row + gl.arange(0, dq.shape[0], gl.SliceLayout(1, layout))).to(gl.int64)
+        cols = col + gl.arange(0, dq.shape[1], gl.SliceLayout(0, layout))
         gl.atomic_add(DQ + rows[:, None] * stride_dq_row + cols[None, :], stage.load(layout), sem="relaxed")
-    return (dk0,), (dv0,)
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
@@ -348,12 +375,12 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     if FUSED_DQ:  # EXPERIMENT (_fused_dq)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], DQ_STAGE_LAYOUT)  # (KEYS: half of d128)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], DQ_STAGE_LAYOUT)  # (64 columns: _fused_dq)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
+        for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)
             mbarrier.init(ds_ready.index(b), count=2)
-            mbarrier.init(ds_free.index(b), count=2)
+            mbarrier.init(ds_free.index(b), count=2 if k_smem[0].shape[2] == 2 * KEYS else 1)
         fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, (dq_desc, DQacc, stride_dqacc_row), softmax_scale)
     dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)

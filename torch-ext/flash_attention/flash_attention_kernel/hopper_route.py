@@ -61,9 +61,9 @@ FUSED_DQ = False
 
 def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
     """Whether the backward takes the fused dK/dV/dQ kernel: FUSED_DQ, the Gluon dK/dV kernel
-    chosen for the call with no override on either pass, head dim 128, no dropout, no determinism
+    chosen for the call with no override on either pass, head dim 64 or 128, no dropout, no determinism
     asked for (dQ is summed by reductions in whatever order programs reach them)."""
-    if (not FUSED_DQ or options.deterministic or options.dropout_p > 0 or tensors[0].shape[-1] != 128
+    if (not FUSED_DQ or options.deterministic or options.dropout_p > 0 or tensors[0].shape[-1] not in (64, 128)
             or configs.OVERRIDES.get("bwd_dq") or configs.OVERRIDES.get("bwd_dkdv")):
         return False
     if not chosen("bwd_dkdv", options, layout, interpreted, tensors):
