@@ -241,6 +241,19 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     return (dk0,), (dv0,)
 
 @gluon.jit
+def _drain_fused(fused, count):
+    """After a warpgroup's ``count`` tiles: its reductions done, and every dQ product of the last
+    two tiles finished, whichever warpgroup issued it. Those read both warpgroups' K tiles, and the
+    epilogue stages dK through this warpgroup's."""
+    ds_free = fused[4]
+    if TMA_REDUCE:
+        tma.store_wait(0)
+    if count > 0:
+        mbarrier.wait(ds_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
+    if count > 1:
+        mbarrier.wait(ds_free.index((count - 2) % 2), ((count - 2) // 2) & 1)
+
+@gluon.jit
 def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
     """dS [ROWS, 128 keys] times the program's K at columns first_col.. (WIDTH of them), from both
     warpgroups' dS^T of this parity; in flight."""
@@ -323,8 +336,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
                                      ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
             i = release_unread(ring, i, hi_end, m_hi, ROWS)
-    if FUSED_DQ and TMA_REDUCE:
-        tma.store_wait(0)
+    if FUSED_DQ:
+        _drain_fused(fused, i)
     dv_scale = 1.0
     if DROPOUT_ & VARIANT:
         dv_scale = dropout_scale
