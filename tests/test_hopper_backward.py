@@ -89,9 +89,10 @@ if kernel == "dkdv":
     arguments = dict(
         lse_desc=stats, delta_desc=stats, DK="*bf16", DV="*bf16",
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
-        seqlen_q="i32", diag="i32", num_heads="i32")
+        seqlen_q="i32", diag="i32", num_heads="i32", DQacc="*bf16", stride_dqacc_row="i32", dq_batch_rows="i32", dq_head_rows="i32",
+        dq_head_cols="i32")
     function = module._dkdv_kernel
-    extra = {}
+    extra = dict(dq_desc=None, FUSED_DQ=False)  # (the fused dQ experiment off)
 else:
     arguments = dict(
         Out="*bf16", Lse="*fp32", DLse="*fp32", Delta="*fp32", stride_stat_b="i64", stride_stat_h="i64", DQ="*bf16",
@@ -193,6 +194,52 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, ta
     for label, mine, other, pt, exact in zip(("dq", "dk", "dv"), ours, tl_kernel, same_dtype, truth):
         assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
         assert_within_bar(f"{label} (tl kernel)", other, pt, exact, BWD_FACTOR)
+
+
+FUSED_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "fewer-queries-causal",
+                                                      "more-queries-causal", "odd-query-tile-causal", "bhsd-view",
+                                                      "qkv-packed", "d64-gqa-causal", "d64-more-queries")]
+
+
+def _fused_available(fa):
+    return ON_HOPPER and fa.flash_attention_kernel.hopper_route.load_kernel_module("hopper_dkdv") is not None
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("options", [{}, dict(softcap=8.0), dict(window_size=(100, 37))], ids=["plain", "softcap", "window"])
+@pytest.mark.parametrize("name, make, causal, taken", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_dq_experiment(fa, monkeypatch, name, make, causal, taken, options):
+    """EXPERIMENT (hopper_route.FUSED_DQ, off by default): the dK/dV kernel adding dQ (head dims 64, 128) by TMA
+    reductions (Triton 3.8 on) or fp32 atomics meets the float64 bar where it takes the call."""
+    if not _fused_available(fa):
+        pytest.skip("the Gluon dK/dV kernel does not build under this Triton")
+    q, k, v = make(BF16)
+    if options.get("softcap"):
+        q = q * 4
+    dout = torch.randn_like(q)
+    kernels = fa.flash_attention_kernel
+    monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    window = options.get("window_size", (-1, -1))
+    attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, window_left=window[0], window_right=window[1],
+                                         softcap=options.get("softcap", 0.0))
+    # (plans and prepared calls do not key on the flag: emptied on the way in and out)
+    kernels.hopper_route.FUSED_DQ = True
+    for cached in kernels.configs._DERIVED_CACHES:
+        cached.cache_clear()
+    try:
+        assert kernels.planner.plan_backward(attention, layout, False, q, k, v, dout).fused == taken[0]
+        ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, **options)
+    finally:
+        kernels.hopper_route.FUSED_DQ = False
+        for cached in kernels.configs._DERIVED_CACHES:
+            cached.cache_clear()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    reference = dict(softcap=options.get("softcap", 0.0), window=window)
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **reference)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **reference)
+    for label, mine, pt, exact in zip(("dq", "dk", "dv"), ours, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")

@@ -34,7 +34,9 @@ At head dims 80 and 96 every tile and accumulator over the head dim is two chunk
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
@@ -43,9 +45,14 @@ from .hopper_gluon import (
     operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits, tile_logits_grad,
     tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# TMA's reduction into global memory (Triton 3.8 on; the fused dQ experiment needs it)
+tma_atomic_add = getattr(tma, "async_atomic_add", None)
+TMA_REDUCE = gl.constexpr(tma_atomic_add is not None)  # (else fp32 atomics from the staged rows)
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
-from .launch import SequenceLayout
+from .launch import RowGeometry, SequenceLayout
 from .options import AttentionOptions
 
 # query rows per ring buffer (the wgmma N of S^T, K of dV and dK), keys per consumer warpgroup (the wgmma M of S^T)
@@ -60,7 +67,7 @@ def _tma_vector(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions, layout: SequenceLayout,
-                   config: GluonConfig) -> None:
+                   config: GluonConfig, dq_accum=None) -> None:
     """Write dK and dV (softmax_scale applied) of a call the planner gave this kernel, with its
     ``config`` (planner.plan_backward); lse and delta are
     (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
@@ -70,15 +77,45 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
+    dq_desc, dq_pointer, dq_geometry = None, (dk, 0), (0, 0, 0)  # (dk: an unread stand-in)
+    if dq_accum is not None:
+        g = RowGeometry.of(dq_accum, layout)
+        dq_desc = _dq_accum_descriptor(dq_accum, rows) if tma_atomic_add is not None else None
+        dq_pointer = (dq_accum, g.stride_row)
+        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments,
-        GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, num_warps=4,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc, *dq_pointer,
+        *dq_geometry,
+        GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, FUSED_DQ=dq_accum is not None,
+        num_warps=4,
     )
 
 
+def attention_dkdv_dq(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options: AttentionOptions,
+                      layout: SequenceLayout, config: GluonConfig) -> None:
+    """EXPERIMENT (hopper_route.FUSED_DQ): the fused backward's launch, as backward.py calls
+    ampere_backward's: dK and dV, and softmax_scale * dQ added to the zeroed fp32 ``dq_accumulator``
+    (q's shape, contiguous), delta already made."""
+    attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout, config, dq_accum=dq_accumulator)
+
+
+def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
+    """TMA descriptor of fp32 ``dq_accum`` (batch, seqlen_q, heads, head_dim), contiguous,
+    as rows of heads * head_dim in blocks of ``rows`` rows by 64 columns (what one consumer
+    warpgroup adds of a tile's dQ: half of head dim 128, all of 64)."""
+    batch, seqlen, heads, head_dim = dq_accum.shape
+    assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
+    block = [rows, 64]
+    return TensorDescriptor(dq_accum.view(batch * seqlen, heads * head_dim), [batch * seqlen, heads * head_dim],
+                            [heads * head_dim, 1], block, DQ_STAGE_LAYOUT)
+
+
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
+# the fused dQ's fp32 staging (EXPERIMENT): unswizzled, since a TMA box's rows may exceed the 128-byte
+# swizzle only where the copy is split, which the reduction's lowering was not seen to do
+DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 KEYS = gl.constexpr(KEY_ROWS)
 ROWS = gl.constexpr(QUERY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
@@ -115,8 +152,9 @@ def _producer(q_descs, k_descs, v_descs, do_descs, lse_desc, delta_desc, q_rows,
 
 @gluon.jit
 def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m, keys, first_key, band,
-                score, slope_log2, dropout, dropout_scale, stream, S_LAYOUT: gl.constexpr,
-                OPERAND_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+                score, slope_log2, dropout, dropout_scale, stream, fused, dq_at, S_LAYOUT: gl.constexpr,
+                OPERAND_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr,
+                WG: gl.constexpr, FUSED_DQ: gl.constexpr):
     """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i`` (K, V, Q,
     dO, dK and dV in head-dim chunks). MASKED: the tile crosses a band edge."""
     dtype: gl.constexpr = q_bufs[0].dtype
@@ -148,16 +186,105 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
     ds = tile_logits_grad(p * (dp - delta[None, :]), capped, queries[None, :], keys[:, None], band, MASKED,
                           VARIANT)
     dv = issue_into_chunks(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv)
-    dk = issue_into_chunks(gl.convert_layout(ds.to(dtype), OPERAND_LAYOUT), q, dk)
-    dv, dk = wait_chunk_pairs(0, dv, dk)
-    ring.release(i)
+    ds_rounded = ds.to(dtype)
+    dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
+    if FUSED_DQ:
+        dk, dv = _fused_dq(dk, dv, ds_rounded, ring, i, fused, dq_at, WG)
+    else:
+        dv, dk = wait_chunk_pairs(0, dv, dk)
+        ring.release(i)
     return dk, dv
+
+@gluon.jit
+def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
+    """EXPERIMENT: with this tile's dV and dK products in flight, add its dQ = dS K for the tile's
+    64 query rows, times softmax_scale, into dq_accum. Both warpgroups put their dS^T (keys by
+    rows) in shared memory; dQ is formed over all 128 keys of the program from there, staged in
+    shared memory and added by a TMA reduction (fp32 atomics before Triton 3.8). At head dim 128
+    each warpgroup forms half of dQ's columns once both dS^T are in (FlashAttention-3's split);
+    at 64, whose 64-column K tiles cannot be split at a 128-byte swizzle boundary, the
+    warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
+    waits for the other's dS^T.
+    ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
+    warpgroups' keys, dq_stage [2, ROWS, 64] fp32, ds_ready and ds_free [2, 1] mbarriers, (dq_desc
+    or None, the accumulator, its row stride), softmax_scale); ``dq_at`` = (row, column) of the
+    tile's dQ in dq_accum's rows."""
+    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_out, softmax_scale = fused
+    dq_row, dq_col = dq_at
+    WIDTH: gl.constexpr = dq_stage.shape[2]  # (dQ columns one warpgroup forms)
+    SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
+    gl.static_assert(SPLIT or k_all.shape[2] == WIDTH, "the fused dQ holds head dims 64 and 128")
+    parity = i % 2
+    phase = (i // 2) & 1
+    # the buffers of this parity are free once the dQ products that read them two tiles ago have finished
+    mbarrier.wait(ds_free.index(parity), phase ^ 1)
+    ds_bufs.index(parity * 2 + WG).store(ds)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(parity), count=1)
+    if SPLIT:
+        mbarrier.wait(ds_ready.index(parity), phase)
+        acc = _dq_product(ds_bufs, k_all, parity, WG * WIDTH, WIDTH)
+        dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
+        mbarrier.arrive(ds_free.index(parity), count=1)
+        ring.release(i)
+        _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_out, dq_row, dq_col + WG * WIDTH)
+    else:
+        if parity == WG:  # (this warpgroup's turn)
+            mbarrier.wait(ds_ready.index(parity), phase)
+            acc = _dq_product(ds_bufs, k_all, parity, 0, WIDTH)
+            dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
+            mbarrier.arrive(ds_free.index(parity), count=1)
+            _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_out, dq_row, dq_col)
+        else:
+            dk0, dv0 = warpgroup_mma_wait(0, deps=(dk[0], dv[0]))
+        ring.release(i)
+    return (dk0,), (dv0,)
+
+@gluon.jit
+def _drain_fused(fused, count):
+    """After a warpgroup's ``count`` tiles: its reductions done, and every dQ product of the last
+    two tiles finished, whichever warpgroup issued it. Those read both warpgroups' K tiles, and the
+    epilogue stages dK through this warpgroup's."""
+    ds_free = fused[4]
+    if TMA_REDUCE:
+        tma.store_wait(0)
+    if count > 0:
+        mbarrier.wait(ds_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
+    if count > 1:
+        mbarrier.wait(ds_free.index((count - 2) % 2), ((count - 2) // 2) & 1)
+
+@gluon.jit
+def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
+    """dS [ROWS, 128 keys] times the program's K at columns first_col.. (WIDTH of them), from both
+    warpgroups' dS^T of this parity; in flight."""
+    acc = gl.zeros([ROWS, WIDTH], gl.float32, accumulator_layout(WIDTH))
+    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_all.index(0).slice(first_col, WIDTH, 1), acc,
+                        use_acc=False, is_async=True)
+    return warpgroup_mma(ds_bufs.index(parity * 2 + 1).permute((1, 0)), k_all.index(1).slice(first_col, WIDTH, 1),
+                         acc, is_async=True)
+
+@gluon.jit
+def _add_dq(dq, stage, dq_out, row, col):
+    """Add fp32 ``dq`` [ROWS, WIDTH] at (row, col) of the accumulator's rows, through ``stage``."""
+    if TMA_REDUCE:
+        tma.store_wait(0)  # (the last reduction has read the staging buffer)
+        stage.store(dq)
+        fence_async_shared()
+        tma_atomic_add(dq_out[0], [row, col], stage)
+    else:  # (Triton 3.6-3.7: relaxed fp32 atomics, 4 neighbouring columns a thread, from the staged rows)
+        _, DQ, stride_dq_row = dq_out
+        stage.store(dq)
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        rows = (row + gl.arange(0, dq.shape[0], gl.SliceLayout(1, layout))).to(gl.int64)
+        cols = col + gl.arange(0, dq.shape[1], gl.SliceLayout(0, layout))
+        gl.atomic_add(DQ + rows[:, None] * stride_dq_row + cols[None, :], stage.load(layout), sem="relaxed")
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
               DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band, score,
-              softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, WG: gl.constexpr,
-              GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+              softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, fused, dq_rows,
+              WG: gl.constexpr, GROUP_SIZE: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr,
+              FUSED_DQ: gl.constexpr):
     """One warpgroup: dK, dV of keys [start_key + WG * 64, + 64) over the query tiles [m_lo,
     m_hi) the producer streams, of every query head of the group."""
     s_layout: gl.constexpr = accumulator_layout(ROWS)
@@ -175,7 +302,11 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     # this warpgroup's query tiles: [lo, full_lo) and [full_hi, hi) cross a band edge, the
     # ones before lo and from hi_end on it does not see (streamed for the other warpgroup)
     lo, full_lo, full_hi, hi = _query_tiles(first_key, first_key + KEYS - 1, seqlen_q, band, VARIANT)
+    if FUSED_DQ:  # both warpgroups visit every tile the program streams (masked where one sees none)
+        lo = m_lo
+        hi = m_hi
     hi_end = gl.maximum(gl.cdiv(hi, ROWS) * ROWS, lo)
+    dq_row0, q_head_rows, dq_col0, q_head_cols = dq_rows
     mbarrier.wait(kv_bar, 0)
     i = 0
     for g in range(GROUP_SIZE):
@@ -188,20 +319,25 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
             for m in range(lo, full_lo, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, pds_layout, True, VARIANT, ALIBI_ABS)
+                                     fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, True, VARIANT,
+                                     ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
         for m in range(full_lo, full_hi, ROWS):
             dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                  keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                 s_layout, pds_layout, False, VARIANT, ALIBI_ABS)
+                                 fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, False, VARIANT,
+                                 ALIBI_ABS, WG, FUSED_DQ)
             i += 1
         if MASK_LEFT_ & VARIANT:
             for m in range(full_hi, hi, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     s_layout, pds_layout, True, VARIANT, ALIBI_ABS)
+                                     fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, True, VARIANT,
+                                     ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
             i = release_unread(ring, i, hi_end, m_hi, ROWS)
+    if FUSED_DQ:
+        _drain_fused(fused, i)
     dv_scale = 1.0
     if DROPOUT_ & VARIANT:
         dv_scale = dropout_scale
@@ -216,9 +352,9 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
-                 AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
-                 GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                 VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr):
+                 AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale, dq_desc,
+                 DQacc, stride_dqacc_row, dq_batch_rows, dq_head_rows, dq_head_cols, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
     ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs."""
@@ -248,16 +384,28 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     # the group's first query head as a row of (batch, heads): its lse / delta row, its Philox stream
     first_row = batch * num_heads + head
     slopes = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the group's ALiBi slopes)
+    fused = kv_bar  # (a stand-in: partitions take no None)
+    if FUSED_DQ:  # EXPERIMENT (_fused_dq)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], DQ_STAGE_LAYOUT)  # (64 columns: _fused_dq)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)
+            mbarrier.init(ds_ready.index(b), count=2)
+            mbarrier.init(ds_free.index(b), count=2 if k_smem[0].shape[2] == 2 * KEYS else 1)
+        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, (dq_desc, DQacc, stride_dqacc_row), softmax_scale)
+    dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
-                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, FIRST,
-                     GROUP_SIZE, VARIANT, ALIBI_ABS)),
+                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, fused,
+                     dq_rows, FIRST, GROUP_SIZE, VARIANT, ALIBI_ABS, FUSED_DQ)),
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
                      DK, DV, dk_base, dv_base, stride_dkn, stride_dvn, start_key, m_lo, m_hi, seqlen_q, band,
-                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, SECOND,
-                     GROUP_SIZE, VARIANT, ALIBI_ABS)),
+                     score, softmax_scale, slopes, RngState, first_row, dropout_threshold, dropout_scale, fused,
+                     dq_rows, SECOND, GROUP_SIZE, VARIANT, ALIBI_ABS, FUSED_DQ)),
         (_producer, (q_descs, k_descs, v_descs, do_descs, lse_desc, delta_desc,
                      batch * q_batch_rows + head * q_head_rows, batch * do_batch_rows + head * do_head_rows,
                      batch * k_batch_rows + kv_head * k_head_rows + start_key,

@@ -26,6 +26,7 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
 
+from . import configs
 from .configs import GLUON_TILES
 from .launch import SequenceLayout, _splits_into_rows, _tma_possible
 from .options import ALIBI, DROPOUT, MASK_LEFT, MASK_RIGHT, SINKS, SOFTCAP, AttentionOptions
@@ -52,6 +53,22 @@ FORWARD_MIN_KEYS = {64: 2048, 80: 256, 96: 256, 128: 256}
 BACKWARD_MIN_SEQLEN_K = 256
 
 _loaded = {}  # module name -> the imported module, or None where its import failed
+
+# EXPERIMENT (stop 60, branch s60-fused-dq): the backward in one kernel on Hopper, FlashAttention-3's
+# fused dQ (hopper_dkdv.attention_dkdv_dq); off until a GPU has measured it against the two kernels
+FUSED_DQ = False
+
+
+def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
+    """Whether the backward takes the fused dK/dV/dQ kernel: FUSED_DQ, the Gluon dK/dV kernel
+    chosen for the call with no override on either pass, head dim 64 or 128, no dropout, no determinism
+    asked for (dQ is summed by reductions in whatever order programs reach them)."""
+    if (not FUSED_DQ or options.deterministic or options.dropout_p > 0 or tensors[0].shape[-1] not in (64, 128)
+            or configs.OVERRIDES.get("bwd_dq") or configs.OVERRIDES.get("bwd_dkdv")):
+        return False
+    if not chosen("bwd_dkdv", options, layout, interpreted, tensors):
+        return False
+    return load_kernel_module("hopper_dkdv") is not None
 
 
 def chosen(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:

@@ -114,6 +114,11 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     if fused is not None:
         both = PassPlan(gluon=fused, gluon_config=ampere_route.config(q.device, q.shape[-1]))
         return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
+    if hopper_route.fused_chosen(options, layout, interpreted, tensors):  # (EXPERIMENT)
+        both = PassPlan(gluon=hopper_route.load_kernel_module("hopper_dkdv").attention_dkdv_dq,
+                        gluon_config=GluonConfig(*configs.GLUON_TILES["bwd_dkdv"],
+                                                 configs.GLUON_FUSED_STAGES[q.shape[-1]]))
+        return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
     dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
     dkdv = _pass_plan("bwd_dkdv", options, layout, interpreted, tensors)
