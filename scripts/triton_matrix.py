@@ -13,10 +13,13 @@ checks in a fresh process:
 * compile: every config-table entry of the sm_80 and sm_90 classes cross-compiled to a cubin with
   that Triton's compiler and ptxas, as that Triton would run it
   (``benchmarks/resource_report.py --table sm80 sm90 --as-run``): forward, dQ, dK/dV, KV cache;
+* gluon: the Gluon kernels' sm_90 and sm_80 compile tests (``tests/test_hopper_*.py``,
+  ``test_ampere_backward.py``, ``-k compiles``) under the releases of ``GLUON_FROM`` on: some
+  kernels need a later release (the fused dQ's TMA reduction, 3.8) and skip under earlier ones;
 * run: a small correctness run of the test suite through the CPU interpreter (TRITON_INTERPRET=1;
   the interpreter runs the kernels from Triton 3.6 on; older ones are covered by compile only).
 
-Usage: python scripts/triton_matrix.py [--checks import,compile,run] VERSION [VERSION ...]
+Usage: python scripts/triton_matrix.py [--checks import,compile,gluon,run] VERSION [VERSION ...]
        (default: every check a version supports; exit status 1 if any check fails)
 The GPU half of the matrix (the suite's core on an H100 under a packed Triton) is
 ../shared/tools/device-triton's; docs/gpus.md#triton-releases gives both.
@@ -35,6 +38,10 @@ CACHE = REPO / ".tritons"
 # under NumPy 2.4 from 3.7 on (3.6 takes int() of one-element arrays, which NumPy 2.4 refuses)
 INTERPRETER_FROM = (3, 6)
 INTERPRETER_UNDER_NUMPY_2_4_FROM = (3, 7)
+# the first release whose Gluon builds the Hopper kernels (hopper_route.CHECKED_VERSIONS)
+GLUON_FROM = (3, 6)
+GLUON_COMPILE_TESTS = ["tests/test_hopper_forward.py", "tests/test_hopper_backward.py", "tests/test_ampere_backward.py",
+                       "-k", "compiles"]
 # the correctness run: dense forward + backward (fp16, bf16, fp32, causal or not, GQA, awkward
 # head dims and lengths), varlen, the KV cache's append + rotary + split decode
 SMOKE_TESTS = ["tests/test_correctness.py", "tests/test_varlen.py", "tests/test_kvcache.py", "-k",
@@ -76,8 +83,11 @@ def interpreter_runs(version: str) -> bool:
 
 
 def checks_for(version: str, asked: list) -> list:
-    """The checks asked for that this version supports (the run needs ``interpreter_runs``)."""
-    return [check for check in asked if check != "run" or interpreter_runs(version)]
+    """The checks asked for that this version supports (the run needs ``interpreter_runs``, the
+    Gluon compiles GLUON_FROM)."""
+    release = tuple(int(part) for part in version.split(".")[:2])
+    return [check for check in asked
+            if (check != "run" or interpreter_runs(version)) and (check != "gluon" or release >= GLUON_FROM)]
 
 
 def run_check(check: str, version: str, target: Path) -> bool:
@@ -88,6 +98,9 @@ def run_check(check: str, version: str, target: Path) -> bool:
     elif check == "compile":
         command = [sys.executable, str(REPO / "benchmarks" / "resource_report.py"), "--table", "sm80", "sm90",
                    "--as-run", "--jobs", str(min(4, os.cpu_count() or 1))]
+    elif check == "gluon":
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n",
+                   str(min(8, os.cpu_count() or 1)), *GLUON_COMPILE_TESTS]
     else:
         env["TRITON_INTERPRET"] = "1"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n",
@@ -113,7 +126,7 @@ def run_check(check: str, version: str, target: Path) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("versions", nargs="+", help="Triton releases, e.g. 3.4.0 3.9.0")
-    parser.add_argument("--checks", default="import,compile,run", help="any of import, compile, run")
+    parser.add_argument("--checks", default="import,compile,gluon,run", help="any of import, compile, gluon, run")
     args = parser.parse_args()
     asked = args.checks.split(",")
     ok = True

@@ -75,10 +75,13 @@ def test_taken_only_where_they_can_work(fa, monkeypatch):
     assert not any(_routed_to_gluon(fa, q, k, v))
 
 
-# (tests/gluon_compile.py: args kernel, head dim, group, VARIANT, ALIBI_ABS)
+# (tests/gluon_compile.py: args kernel ("dkdv", "dkdv_fused": with FUSED_DQ, or "dq"), head dim, group,
+# VARIANT, ALIBI_ABS)
 _KERNEL_SIGNATURE = """
 kernel, head_dim, group, variant, alibi_abs = args
 head_dim, group, variant, alibi_abs = int(head_dim), int(group), int(variant), alibi_abs == "True"
+fused = kernel == "dkdv_fused"
+kernel = kernel.removesuffix("_fused")
 module = importlib.import_module(name + ".flash_attention_kernel.hopper_" + kernel)
 geometry = [f"{t}_{n}" for t in ("q", "k", "v", "do") for n in ("batch_rows", "head_rows", "head_cols")]
 options = dict(score_scale="fp32", softcap_log2="fp32", softmax_scale="fp32", window_left="i32",
@@ -89,10 +92,13 @@ if kernel == "dkdv":
     arguments = dict(
         lse_desc=stats, delta_desc=stats, DK="*bf16", DV="*bf16",
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
-        seqlen_q="i32", diag="i32", num_heads="i32", DQacc="*bf16", stride_dqacc_row="i32", dq_batch_rows="i32", dq_head_rows="i32",
-        dq_head_cols="i32")
+        seqlen_q="i32", diag="i32", num_heads="i32", dq_batch_rows="i32", dq_head_rows="i32", dq_head_cols="i32")
     function = module._dkdv_kernel
-    extra = dict(dq_desc=None, FUSED_DQ=False)  # (the fused dQ experiment off)
+    extra = dict(FUSED_DQ=fused)
+    if fused:  # (the fp32 accumulator's blocks: 64 rows by 64 columns, hopper_dkdv._dq_accum_descriptor)
+        arguments["dq_desc"] = f"tensordesc<fp32[64, 64],{module.DQ_STAGE_LAYOUT!r}>"
+    else:
+        extra["dq_desc"] = None
 else:
     arguments = dict(
         Out="*bf16", Lse="*fp32", DLse="*fp32", Delta="*fp32", stride_stat_b="i64", stride_stat_h="i64", DQ="*bf16",
@@ -104,6 +110,8 @@ else:
 configs = importlib.import_module(name + ".flash_attention_kernel.configs")
 mask_left = importlib.import_module(name + ".flash_attention_kernel.options").MASK_LEFT
 stages = configs.gluon_config("bwd_" + kernel, head_dim, "window" if variant & mask_left else "none").stages
+if fused:
+    stages = configs.GLUON_FUSED_STAGES[head_dim]
 constants = dict(GROUP_SIZE=group, STAGES=stages, VARIANT=variant, ALIBI_ABS=alibi_abs, **extra)
 descriptors = {}
 for tensor in ("q", "k", "v", "do"):  # (every tile of both kernels has 64 rows)
@@ -129,6 +137,25 @@ def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
         0.125, alibi_slopes=torch.ones(1) if alibi else None, **options)
     _, constexprs = gluon_module(fa, "hopper_gluon").option_arguments(attention, torch.empty(1))
     assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, kernel, head_dim, group, constexprs["VARIANT"],
+                               constexprs["ALIBI_ABS"])
+
+
+@pytest.mark.parametrize("head_dim, group, options", [
+    (128, 1, dict(causal=True)), (128, 1, {}), (64, 1, dict(causal=True)), (64, 2, {}),
+    (128, 2, dict(causal=True, window_left=256, softcap=30.0, alibi=True)),
+], ids=["d128-causal", "d128-plain", "d64-causal", "d64-gqa", "d128-gqa-window-softcap-alibi"])
+def test_fused_dq_compiles_for_hopper(fa, head_dim, group, options):
+    """The dK/dV kernel with FUSED_DQ (dQ added by TMA reductions) compiles to an sm_90 cubin within
+    227 KB, its wgmmas pipelined, under a Triton that has the reduction (3.8 on; scripts run this
+    file under 3.8.0 and 3.9.0 from .tritons/ on the CPU too, docs/testing.md)."""
+    if gluon_module(fa, "hopper_dkdv").tma_atomic_add is None:
+        pytest.skip(f"Triton {triton.__version__}'s Gluon has no TMA reduction (3.8 on)")
+    options = dict(options)
+    alibi = options.pop("alibi", False)
+    attention = fa.flash_attention_kernel.AttentionOptions(
+        0.125, alibi_slopes=torch.ones(1) if alibi else None, **options)
+    _, constexprs = gluon_module(fa, "hopper_gluon").option_arguments(attention, torch.empty(1))
+    assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, "dkdv_fused", head_dim, group, constexprs["VARIANT"],
                                constexprs["ALIBI_ABS"])
 
 
@@ -201,45 +228,59 @@ FUSED_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", 
                                                       "qkv-packed", "d64-gqa-causal", "d64-more-queries")]
 
 
-def _fused_available(fa):
-    return ON_HOPPER and fa.flash_attention_kernel.hopper_route.load_kernel_module("hopper_dkdv") is not None
-
-
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
 @pytest.mark.parametrize("options", [{}, dict(softcap=8.0), dict(window_size=(100, 37))], ids=["plain", "softcap", "window"])
 @pytest.mark.parametrize("name, make, causal, taken", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
-def test_fused_dq_experiment(fa, monkeypatch, name, make, causal, taken, options):
-    """EXPERIMENT (hopper_route.FUSED_DQ, off by default): the dK/dV kernel adding dQ (head dims 64, 128) by TMA
-    reductions (Triton 3.8 on) or fp32 atomics meets the float64 bar where it takes the call."""
-    if not _fused_available(fa):
-        pytest.skip("the Gluon dK/dV kernel does not build under this Triton")
+def test_fused_dq(fa, monkeypatch, name, make, causal, taken, options):
+    """The backward in one kernel (hopper_dkdv's FUSED_DQ: dQ added by TMA reductions, Triton 3.8 on),
+    forced by FLASH_ATTENTION_FUSED_DQ=1 beyond the calls its default rule gives it (GQA groups,
+    causal rows above and below the keys, a bhsd view, packed qkv, softcap, window), meets the
+    float64 bar wherever the dK/dV kernel takes the call."""
+    kernels = fa.flash_attention_kernel
+    if kernels.hopper_route.fused_launcher() is None:
+        pytest.skip(f"Triton {triton.__version__}'s Gluon has no TMA reduction (3.8 on)")
     q, k, v = make(BF16)
     if options.get("softcap"):
         q = q * 4
     dout = torch.randn_like(q)
-    kernels = fa.flash_attention_kernel
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")
+    monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "1")
     layout = kernels.launch.SequenceLayout.of(q, k)
     window = options.get("window_size", (-1, -1))
     attention = kernels.AttentionOptions(q.shape[-1] ** -0.5, causal, window_left=window[0], window_right=window[1],
                                          softcap=options.get("softcap", 0.0))
-    # (plans and prepared calls do not key on the flag: emptied on the way in and out)
-    kernels.hopper_route.FUSED_DQ = True
-    for cached in kernels.configs._DERIVED_CACHES:
-        cached.cache_clear()
-    try:
-        assert kernels.planner.plan_backward(attention, layout, False, q, k, v, dout).fused == taken[0]
-        ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, **options)
-    finally:
-        kernels.hopper_route.FUSED_DQ = False
-        for cached in kernels.configs._DERIVED_CACHES:
-            cached.cache_clear()
+    assert kernels.planner.plan_backward(attention, layout, False, q, k, v, dout).fused == taken[0]
+    ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, **options)
     scale = 1.0 / math.sqrt(q.shape[-1])
     reference = dict(softcap=options.get("softcap", 0.0), window=window)
     _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **reference)
     _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **reference)
     for label, mine, pt, exact in zip(("dq", "dk", "dv"), ours, same_dtype, truth):
         assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
+def test_fused_dq_default_route(fa, monkeypatch):
+    """By default a long causal d128 call takes the fused backward under the Tritons of
+    hopper_route.FUSED_DQ_VERSIONS (3072 tokens: a row sees 1536 keys on average) and meets the
+    float64 bar; deterministic=True keeps it on the two kernels, bitwise repeatable."""
+    kernels = fa.flash_attention_kernel
+    q, k, v = (bshd(1, 3072, 2, BF16) for _ in range(3))
+    dout = torch.randn_like(q)
+    monkeypatch.delenv("FLASH_ATTENTION_FUSED_DQ", raising=False)
+    layout = kernels.launch.SequenceLayout.of(q, k)
+    plan = kernels.planner.plan_backward(kernels.AttentionOptions(128 ** -0.5, True), layout, False, q, k, v, dout)
+    default = triton.__version__.startswith(kernels.hopper_route.FUSED_DQ_VERSIONS)
+    assert plan.fused == (default and kernels.hopper_route.fused_launcher() is not None)
+    ours = _gradients(fa, monkeypatch, "", q, k, v, dout, True)
+    _, truth = run_ref(q, k, v, dout, True, 128 ** -0.5, torch.float64)
+    _, same_dtype = run_ref(q, k, v, dout, True, 128 ** -0.5, BF16)
+    for label, mine, pt, exact in zip(("dq", "dk", "dv"), ours, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+    deterministic = kernels.AttentionOptions(128 ** -0.5, True, deterministic=True)
+    assert not kernels.planner.plan_backward(deterministic, layout, False, q, k, v, dout).fused
+    first, again = (_gradients(fa, monkeypatch, "", q, k, v, dout, True, deterministic=True) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")

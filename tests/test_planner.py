@@ -148,6 +148,58 @@ def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
     assert (backward.dq.implementation, backward.dkdv.implementation) == ("tl", "tl")
 
 
+def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
+    """Hopper's backward in one kernel (hopper_route.fused_chosen): by default under the Tritons of
+    FUSED_DQ_VERSIONS (empty until a GPU checks the gradients; here 3.9, as the timings support),
+    causal or no mask, one query head a KV head, from FUSED_DQ_MIN_KEYS keys a row on average; FLASH_ATTENTION_FUSED_DQ=1 wherever the kernel can take it (never with dropout,
+    determinism, another head dim, an override, or a Triton without the TMA reduction), 0 never.
+    Its plan: one launch function for both passes, the package's preprocess, GLUON_FUSED_STAGES."""
+    route, planner, configs = kernels.hopper_route, kernels.planner, kernels.configs
+    launchers = {"fused": lambda *args: "fused"}
+    monkeypatch.setattr(route, "fused_launcher", lambda: launchers["fused"])
+    shipped = route.FUSED_DQ_VERSIONS  # (empty until a GPU run checks the fused gradients)
+    monkeypatch.setattr(route, "FUSED_DQ_VERSIONS", ("3.9.",))  # (what the timings support)
+    monkeypatch.setattr(route.triton, "__version__", "3.9.0")
+    monkeypatch.delenv("FLASH_ATTENTION_FUSED_DQ", raising=False)
+
+    def fused(head_dim=128, seqlen=4096, causal=True, heads_kv=2, **options):
+        planner._PLANS.clear()  # (the version and the stand-in are not in the plan key)
+        q = torch.empty(1, seqlen, 2, head_dim, dtype=BF16, device=DEVICE)
+        k = torch.empty(1, seqlen, heads_kv, head_dim, dtype=BF16, device=DEVICE)
+        attention = kernels.AttentionOptions(head_dim ** -0.5, causal, **options)
+        plan = planner.plan_backward(attention, kernels.launch.SequenceLayout.of(q, k), True, q, k, k, q)
+        if plan.fused:
+            assert plan.dq is plan.dkdv and plan.dq.gluon is launchers["fused"]
+            assert plan.delta_source == planner.DELTA_PREPROCESS
+            assert plan.dq.gluon_config == configs.GluonConfig(64, 128, configs.GLUON_FUSED_STAGES[head_dim])
+        return plan.fused
+
+    # the default rule: the lengths an H200 measured it faster from (a row's mean visible keys)
+    assert fused(seqlen=3072) and not fused(seqlen=2048) and fused(seqlen=2048, causal=False)
+    assert fused(64, 2048) and not fused(64, 1024) and fused(64, 1024, causal=False)
+    sinks = torch.zeros(2, device=DEVICE)
+    for options in (dict(softcap=20.0), dict(window_left=512), dict(window_right=64, causal=False), dict(sinks=sinks),
+                    dict(alibi_slopes=torch.ones(2, device=DEVICE)), dict(heads_kv=1)):
+        assert not fused(**options), options
+    monkeypatch.setattr(route.triton, "__version__", "3.8.0")
+    assert not fused()
+    monkeypatch.setattr(route, "FUSED_DQ_VERSIONS", shipped)
+    assert fused() == route.triton.__version__.startswith(shipped)  # (3.8.0: not by default)
+    monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "1")  # wherever the kernel can take the call
+    for options in (dict(softcap=20.0), dict(window_left=512), dict(sinks=sinks), dict(heads_kv=1), dict(seqlen=256),
+                    dict(head_dim=64, seqlen=128, causal=False)):
+        assert fused(**options), options
+    for options in (dict(dropout_p=0.1), dict(deterministic=True), dict(head_dim=96), dict(head_dim=80)):
+        assert not fused(**options), options
+    with planner.override("bwd_dq", implementation="gluon"):
+        assert not fused()
+    launchers["fused"] = None  # (a Triton whose Gluon has no TMA reduction: fused_launcher)
+    assert not fused()
+    launchers["fused"] = lambda *args: "fused"
+    monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "0")
+    assert not fused()
+
+
 def test_planner_override_forces_each_choice(kernels, gluon_fits, monkeypatch):
     """configs.set_override / planner.override: "tl" or a TileConfig keeps a pass on the tl kernel
     where Gluon would run it; "gluon" or a GluonConfig runs Gluon wherever it fits (even with

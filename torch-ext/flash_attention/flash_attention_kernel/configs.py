@@ -350,8 +350,9 @@ GLUON_STAGES = {
 # released unread, and a deeper ring keeps the producer ahead: +2-7% on the window backward at
 # d128, where the other variants lost 3-5% (docs/design.md#gluon-dkdv)
 GLUON_WINDOW_STAGES = {("bwd_dkdv", 64): 4, ("bwd_dkdv", 80): 4, ("bwd_dkdv", 96): 4, ("bwd_dkdv", 128): 4}
-# EXPERIMENT (hopper_route.FUSED_DQ): the fused dK/dV/dQ kernel's ring per head dim, every mask: its dS^T
-# and dQ staging buffers take 64 KB more (d128: 198 KB at 2 stages, 231 KB at 3; d64: 164 KB at 4)
+# The fused dK/dV/dQ kernel's ring per head dim (hopper_route.fused_chosen), every mask: its dS^T and
+# dQ staging buffers take 64 KB more (d128: 198 KB at 2 stages, 231 KB at 3, past sm_90's 227; d64:
+# 164 KB at 4)
 GLUON_FUSED_STAGES = {64: 4, 128: 2}
 
 

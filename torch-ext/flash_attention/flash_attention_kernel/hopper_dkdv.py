@@ -21,6 +21,15 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
 * dropout: each consumer redraws its pairs' keep bits from Philox while its S^T and dP^T products
   run, bit for bit scores.dropout_keep's draws (``hopper_dropout``); dV takes the kept P^T (1 /
   (1 - p) applied once at the end), dS^T the kept, scaled dP^T.
+* FUSED_DQ (``attention_dkdv_dq``, the route ``hopper_route.fused_chosen``): the kernel also adds
+  dQ = dS K, FlashAttention-3's split of the backward into one kernel, 5 products per tile pair
+  where the dQ kernel beside it makes 7. With a tile's dV and dK products in flight, each
+  warpgroup puts its dS^T in shared memory (double-buffered by tile parity); at head dim 128 each
+  then forms half of dQ's columns over the program's 128 keys, at 64 the warpgroups take whole
+  tiles in turn; the partial dQ goes through an fp32 staging buffer to the zeroed fp32 accumulator
+  by one TMA reduction (``tma.async_atomic_add``, Triton 3.8 on). Both warpgroups then visit every
+  query tile the program streams (a tile one of them does not see contributes zeros), since each
+  needs the other's dS^T (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel).
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
@@ -37,6 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
@@ -45,15 +55,14 @@ from .hopper_gluon import (
     operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits, tile_logits_grad,
     tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-# TMA's reduction into global memory (Triton 3.8 on; the fused dQ experiment needs it)
-tma_atomic_add = getattr(tma, "async_atomic_add", None)
-TMA_REDUCE = gl.constexpr(tma_atomic_add is not None)  # (else fp32 atomics from the staged rows)
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
 from .launch import RowGeometry, SequenceLayout
 from .options import AttentionOptions
+
+# TMA's reduction into global memory, which the fused dQ adds by: Triton 3.8 on (None before; the
+# route then keeps the two kernels, hopper_route.fused_launcher)
+tma_atomic_add = getattr(tma, "async_atomic_add", None)
 
 # query rows per ring buffer (the wgmma N of S^T, K of dV and dK), keys per consumer warpgroup (the wgmma M of S^T)
 # The ring depth is the launch's (configs.GLUON_STAGES, GLUON_WINDOW_STAGES)
@@ -77,17 +86,14 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
-    dq_desc, dq_pointer, dq_geometry = None, (dk, 0), (0, 0, 0)  # (dk: an unread stand-in)
+    dq_desc, dq_geometry = None, (0, 0, 0)
     if dq_accum is not None:
         g = RowGeometry.of(dq_accum, layout)
-        dq_desc = _dq_accum_descriptor(dq_accum, rows) if tma_atomic_add is not None else None
-        dq_pointer = (dq_accum, g.stride_row)
-        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
+        dq_desc, dq_geometry = _dq_accum_descriptor(dq_accum, rows), (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc, *dq_pointer,
-        *dq_geometry,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc, *dq_geometry,
         GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, FUSED_DQ=dq_accum is not None,
         num_warps=4,
     )
@@ -95,9 +101,9 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
 
 def attention_dkdv_dq(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options: AttentionOptions,
                       layout: SequenceLayout, config: GluonConfig) -> None:
-    """EXPERIMENT (hopper_route.FUSED_DQ): the fused backward's launch, as backward.py calls
-    ampere_backward's: dK and dV, and softmax_scale * dQ added to the zeroed fp32 ``dq_accumulator``
-    (q's shape, contiguous), delta already made."""
+    """The fused backward's launch (FUSED_DQ; backward.py calls it as it calls ampere_backward's):
+    dK and dV, and softmax_scale * dQ added to the zeroed fp32 ``dq_accumulator`` (q's shape,
+    contiguous), delta already made."""
     attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout, config, dq_accum=dq_accumulator)
 
 
@@ -113,8 +119,9 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
-# the fused dQ's fp32 staging (EXPERIMENT): unswizzled, since a TMA box's rows may exceed the 128-byte
-# swizzle only where the copy is split, which the reduction's lowering was not seen to do
+# the fused dQ's fp32 staging: unswizzled, since a TMA box's rows may exceed the 128-byte swizzle
+# only where the copy is split, which the reduction's lowering was not seen to do (64 fp32 columns
+# are 256 bytes)
 DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 KEYS = gl.constexpr(KEY_ROWS)
 ROWS = gl.constexpr(QUERY_ROWS)
@@ -197,19 +204,19 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
 
 @gluon.jit
 def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
-    """EXPERIMENT: with this tile's dV and dK products in flight, add its dQ = dS K for the tile's
-    64 query rows, times softmax_scale, into dq_accum. Both warpgroups put their dS^T (keys by
-    rows) in shared memory; dQ is formed over all 128 keys of the program from there, staged in
-    shared memory and added by a TMA reduction (fp32 atomics before Triton 3.8). At head dim 128
+    """With this tile's dV and dK products in flight, add its dQ = dS K for the tile's 64 query
+    rows, times softmax_scale, into dq_accum. Both warpgroups put their dS^T (keys by rows) in
+    shared memory; dQ is formed over all 128 keys of the program from there, staged in shared
+    memory and added by a TMA reduction. At head dim 128
     each warpgroup forms half of dQ's columns once both dS^T are in (FlashAttention-3's split);
     at 64, whose 64-column K tiles cannot be split at a 128-byte swizzle boundary, the
     warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
     waits for the other's dS^T.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
-    warpgroups' keys, dq_stage [2, ROWS, 64] fp32, ds_ready and ds_free [2, 1] mbarriers, (dq_desc
-    or None, the accumulator, its row stride), softmax_scale); ``dq_at`` = (row, column) of the
+    warpgroups' keys, dq_stage [2, ROWS, 64] fp32, ds_ready and ds_free [2, 1] mbarriers, dq_desc,
+    softmax_scale); ``dq_at`` = (row, column) of the
     tile's dQ in dq_accum's rows."""
-    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_out, softmax_scale = fused
+    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc, softmax_scale = fused
     dq_row, dq_col = dq_at
     WIDTH: gl.constexpr = dq_stage.shape[2]  # (dQ columns one warpgroup forms)
     SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
@@ -227,14 +234,14 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
         dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
         mbarrier.arrive(ds_free.index(parity), count=1)
         ring.release(i)
-        _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_out, dq_row, dq_col + WG * WIDTH)
+        _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_desc, dq_row, dq_col + WG * WIDTH)
     else:
         if parity == WG:  # (this warpgroup's turn)
             mbarrier.wait(ds_ready.index(parity), phase)
             acc = _dq_product(ds_bufs, k_all, parity, 0, WIDTH)
             dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
             mbarrier.arrive(ds_free.index(parity), count=1)
-            _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_out, dq_row, dq_col)
+            _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_desc, dq_row, dq_col)
         else:
             dk0, dv0 = warpgroup_mma_wait(0, deps=(dk[0], dv[0]))
         ring.release(i)
@@ -246,8 +253,7 @@ def _drain_fused(fused, count):
     two tiles finished, whichever warpgroup issued it. Those read both warpgroups' K tiles, and the
     epilogue stages dK through this warpgroup's."""
     ds_free = fused[4]
-    if TMA_REDUCE:
-        tma.store_wait(0)
+    tma.store_wait(0)
     if count > 0:
         mbarrier.wait(ds_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
     if count > 1:
@@ -264,20 +270,13 @@ def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
                          acc, is_async=True)
 
 @gluon.jit
-def _add_dq(dq, stage, dq_out, row, col):
-    """Add fp32 ``dq`` [ROWS, WIDTH] at (row, col) of the accumulator's rows, through ``stage``."""
-    if TMA_REDUCE:
-        tma.store_wait(0)  # (the last reduction has read the staging buffer)
-        stage.store(dq)
-        fence_async_shared()
-        tma_atomic_add(dq_out[0], [row, col], stage)
-    else:  # (Triton 3.6-3.7: relaxed fp32 atomics, 4 neighbouring columns a thread, from the staged rows)
-        _, DQ, stride_dq_row = dq_out
-        stage.store(dq)
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        rows = (row + gl.arange(0, dq.shape[0], gl.SliceLayout(1, layout))).to(gl.int64)
-        cols = col + gl.arange(0, dq.shape[1], gl.SliceLayout(0, layout))
-        gl.atomic_add(DQ + rows[:, None] * stride_dq_row + cols[None, :], stage.load(layout), sem="relaxed")
+def _add_dq(dq, stage, dq_desc, row, col):
+    """Add fp32 ``dq`` [ROWS, WIDTH] at (row, col) of the accumulator's rows (``dq_desc``) by a
+    TMA reduction from ``stage``."""
+    tma.store_wait(0)  # (the last reduction has read the staging buffer)
+    stage.store(dq)
+    fence_async_shared()
+    tma_atomic_add(dq_desc, [row, col], stage)
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
@@ -311,6 +310,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     i = 0
     for g in range(GROUP_SIZE):
         stream = (first_row + g).to(gl.uint32)  # dropout's Philox stream: batch * heads + head
+        dq_row = dq_row0 + g * q_head_rows  # (this query head's dQ in the accumulator's rows, FUSED_DQ)
+        dq_col = dq_col0 + g * q_head_cols
         slope_log2 = 0.0
         if ALIBI_ & VARIANT:
             slope_log2 = gl.load(slopes + g) * LOG2E_
@@ -319,20 +320,20 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
             for m in range(lo, full_lo, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, True, VARIANT,
+                                     fused, (dq_row + m, dq_col), s_layout, pds_layout, True, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
         for m in range(full_lo, full_hi, ROWS):
             dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                  keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                 fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, False, VARIANT,
+                                 fused, (dq_row + m, dq_col), s_layout, pds_layout, False, VARIANT,
                                  ALIBI_ABS, WG, FUSED_DQ)
             i += 1
         if MASK_LEFT_ & VARIANT:
             for m in range(full_hi, hi, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     fused, (dq_row0 + g * q_head_rows + m, dq_col0 + g * q_head_cols), s_layout, pds_layout, True, VARIANT,
+                                     fused, (dq_row + m, dq_col), s_layout, pds_layout, True, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
             i = release_unread(ring, i, hi_end, m_hi, ROWS)
@@ -352,12 +353,15 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
-                 AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale, dq_desc,
-                 DQacc, stride_dqacc_row, dq_batch_rows, dq_head_rows, dq_head_cols, GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                 AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
+                 dq_desc, dq_batch_rows, dq_head_rows, dq_head_cols,
+                 GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
-    ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs."""
+    ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs. With FUSED_DQ,
+    dq_desc is the fp32 accumulator's (``_dq_accum_descriptor``) and the dq_ geometry its rows'
+    (``launch.RowGeometry``); else None and zeros."""
     start_key = gl.program_id(0) * (2 * KEYS)
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -385,7 +389,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     first_row = batch * num_heads + head
     slopes = AlibiSlopes + batch.to(gl.int64) * stride_alibi_b + head  # (the group's ALiBi slopes)
     fused = kv_bar  # (a stand-in: partitions take no None)
-    if FUSED_DQ:  # EXPERIMENT (_fused_dq)
+    if FUSED_DQ:  # (_fused_dq)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
         dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], DQ_STAGE_LAYOUT)  # (64 columns: _fused_dq)
@@ -394,7 +398,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
         for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)
             mbarrier.init(ds_ready.index(b), count=2)
             mbarrier.init(ds_free.index(b), count=2 if k_smem[0].shape[2] == 2 * KEYS else 1)
-        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, (dq_desc, DQacc, stride_dqacc_row), softmax_scale)
+        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_desc, softmax_scale)
     dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([

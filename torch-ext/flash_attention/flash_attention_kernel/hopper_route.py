@@ -12,6 +12,9 @@ imports the kernel's module, once per process (``launcher``). If that import fai
 Triton, a warning names the error once and every call takes the tl kernels, which run under every
 Triton from 3.4 on.
 
+The backward can also run in one kernel, the dK/dV kernel adding dQ (``fused_chosen``,
+FLASH_ATTENTION_FUSED_DQ; the planner then plans it as the A100 class's fused backward).
+
 ``FLASH_ATTENTION_GLUON``: unset, the Gluon kernels run on the calls they take that are long enough
 (``long_enough``), under a Triton in ``CHECKED_VERSIONS``: there they are faster than the tl kernels
 (docs/benchmarks.md#hopper-kernels, docs/design.md#hopper-gluon-kernels); "1" on every call they can
@@ -54,21 +57,45 @@ BACKWARD_MIN_SEQLEN_K = 256
 
 _loaded = {}  # module name -> the imported module, or None where its import failed
 
-# EXPERIMENT (stop 60, branch s60-fused-dq): the backward in one kernel on Hopper, FlashAttention-3's
-# fused dQ (hopper_dkdv.attention_dkdv_dq); off until a GPU has measured it against the two kernels
-FUSED_DQ = False
+# The backward in one kernel (``fused_chosen``): the dK/dV kernel adds dQ too, FlashAttention-3's
+# split (hopper_dkdv's FUSED_DQ). FLASH_ATTENTION_FUSED_DQ: "0" never; "1" wherever it can run;
+# otherwise the default rule, where an H200 measured it faster (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel):
+# under the Tritons of FUSED_DQ_VERSIONS, causal or no mask, one query head a KV head, and a query
+# row seeing on average at least FUSED_DQ_MIN_KEYS[head_dim] keys (below, the two kernels win:
+# 0.93-0.95x at head dim 128 causal with 1k-2k tokens). FUSED_DQ_VERSIONS is empty until a GPU run
+# of test_hopper_backward.py's fused cases checks the kernel's gradients; ("3.9.",) is what the
+# timings support. Triton 3.8 has the TMA reduction it adds by but was not timed; 3.6-3.7 lack it
+# (fp32 atomics in its place ran 0.69-0.97x).
+FUSED_DQ_VERSIONS = ()
+FUSED_DQ_MIN_KEYS = {64: 1024, 128: 1536}
+PLAIN_MASKS = ((-1, -1), (-1, 0))  # (AttentionOptions.window: none, causal)
 
 
 def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
-    """Whether the backward takes the fused dK/dV/dQ kernel: FUSED_DQ, the Gluon dK/dV kernel
-    chosen for the call with no override on either pass, head dim 64 or 128, no dropout, no determinism
-    asked for (dQ is summed by reductions in whatever order programs reach them)."""
-    if (not FUSED_DQ or options.deterministic or options.dropout_p > 0 or tensors[0].shape[-1] not in (64, 128)
+    """Whether the backward takes the fused dK/dV/dQ kernel (``fused_launcher``): the Gluon
+    dK/dV kernel chosen for the call with no override on either pass, head dim 64 or 128, no
+    dropout, no determinism asked for (dQ is summed by reductions in whatever order programs reach
+    them), and FLASH_ATTENTION_FUSED_DQ's rule above."""
+    setting = os.environ.get("FLASH_ATTENTION_FUSED_DQ", "")
+    head_dim = tensors[0].shape[-1]
+    if (setting == "0" or options.deterministic or options.dropout_p > 0 or head_dim not in FUSED_DQ_MIN_KEYS
             or configs.OVERRIDES.get("bwd_dq") or configs.OVERRIDES.get("bwd_dkdv")):
         return False
-    if not chosen("bwd_dkdv", options, layout, interpreted, tensors):
+    if setting != "1" and not (
+            triton.__version__.startswith(FUSED_DQ_VERSIONS)
+            and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
+            and tensors[0].shape[2] == tensors[1].shape[2]
+            and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= FUSED_DQ_MIN_KEYS[head_dim]):
         return False
-    return load_kernel_module("hopper_dkdv") is not None
+    return chosen("bwd_dkdv", options, layout, interpreted, tensors) and fused_launcher() is not None
+
+
+def fused_launcher():
+    """The fused backward's launch function (``hopper_dkdv.attention_dkdv_dq``), its module
+    imported on first use; None where the installed Triton's Gluon cannot build it or has no TMA
+    reduction (before 3.8)."""
+    module = load_kernel_module("hopper_dkdv")
+    return module.attention_dkdv_dq if module is not None and module.tma_atomic_add is not None else None
 
 
 def chosen(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:

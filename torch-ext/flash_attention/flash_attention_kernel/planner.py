@@ -114,10 +114,9 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     if fused is not None:
         both = PassPlan(gluon=fused, gluon_config=ampere_route.config(q.device, q.shape[-1]))
         return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
-    if hopper_route.fused_chosen(options, layout, interpreted, tensors):  # (EXPERIMENT)
-        both = PassPlan(gluon=hopper_route.load_kernel_module("hopper_dkdv").attention_dkdv_dq,
-                        gluon_config=GluonConfig(*configs.GLUON_TILES["bwd_dkdv"],
-                                                 configs.GLUON_FUSED_STAGES[q.shape[-1]]))
+    if hopper_route.fused_chosen(options, layout, interpreted, tensors):  # (Hopper's fused dQ)
+        both = PassPlan(gluon=hopper_route.fused_launcher(), gluon_config=GluonConfig(
+            *configs.GLUON_TILES["bwd_dkdv"], configs.GLUON_FUSED_STAGES[q.shape[-1]]))
         return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
     dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
     # (no warp-specialised dK/dV loop nor table entry: Triton 3.6 fails on it, docs/design.md#warp-specialised-tl-loops)
@@ -137,7 +136,7 @@ configs.cleared_by_overrides(types.SimpleNamespace(cache_clear=_PLANS.clear))
 # The environment switches that change what a call launches (docs/production.md#environment-variables),
 # in the order ``switches`` gives their values; replay.py keys its prepared calls by them too
 SWITCHES = ("FLASH_ATTENTION_GLUON", "FLASH_ATTENTION_TMA", "FLASH_ATTENTION_WS", "FLASH_ATTENTION_DIRECT_LAUNCH",
-            "FLASH_ATTENTION_REPLAY")
+            "FLASH_ATTENTION_REPLAY", "FLASH_ATTENTION_FUSED_DQ")
 
 
 def _cached(kind: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors, make):
