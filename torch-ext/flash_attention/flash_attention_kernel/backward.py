@@ -31,7 +31,8 @@ the gradients are
 * On the A100 class, dense bf16/fp16 calls at head dim 64 or 128 that do not ask for determinism
   take one fused kernel for both passes, ``ampere_backward`` (dQ added to an fp32 accumulator by
   atomics), between the preprocess kernel (delta, and the accumulator zeroed: ``ZERO_DQ``) and
-  ``_dq_from_accumulator_kernel``.
+  ``_dq_from_accumulator_kernel``; on Hopper the Gluon dK/dV kernel can take that place where
+  ``hopper_route.fused_chosen`` says so (dQ added by TMA reductions, ``hopper_dkdv``).
 
 Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit only
 the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /
@@ -535,7 +536,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, dlse=
             layout.seqlen_q, BLOCK_M=pre_block, HAS_DLSE=has_dlse, ZERO_DQ=zero_dq, **common,
         )
 
-    if plan.fused:  # one kernel for dK, dV and dQ, which it adds to a zeroed fp32 accumulator (ampere_backward)
+    if plan.fused:  # one kernel for dK, dV and dQ, added to a zeroed fp32 accumulator (ampere_backward, hopper_dkdv)
         dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         launch_preprocess(dq_accumulator)
         plan.dq.gluon(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options, layout, plan.dq.gluon_config)

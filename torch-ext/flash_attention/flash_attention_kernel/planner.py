@@ -13,7 +13,9 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
   through tensor descriptors or not). A pass the Gluon kernel runs gets no tl launch.
 * on the A100 class, the backward of a dense bf16/fp16 call at head dim 64 or 128, causal or not, in
   full tiles, that does not ask for determinism: one Gluon kernel for both passes, dQ by atomics
-  (``ampere_route.chosen``, ``ampere_backward``; ``BackwardPlan.fused``).
+  (``ampere_route.chosen``, ``ampere_backward``; ``BackwardPlan.fused``). On Hopper the Gluon
+  dK/dV kernel can add dQ itself by TMA reductions (``hopper_route.fused_chosen``,
+  ``hopper_dkdv.attention_dkdv_dq``), planned the same way.
 * delta (rowsum(dO * O) - dlse, which both backward kernels read): fp32 inputs make it in the tl
   dQ kernel's first pass (``DELTA_FP32_PASS``, PyTorch's form from P and dP); a plain dense tl dQ
   kernel and the Gluon dQ kernel make it in their prologue and run first (``DELTA_IN_DQ``), saving
@@ -79,8 +81,9 @@ class PassPlan:
 @dataclass(frozen=True)
 class BackwardPlan:
     """The backward's decisions: ``delta_source`` (DELTA_IN_DQ, DELTA_PREPROCESS or
-    DELTA_FP32_PASS) and the dQ and dK/dV passes. ``fused``: one kernel makes both passes (dQ by
-    atomics: ``ampere_backward``), whose launch function both passes' ``gluon`` hold."""
+    DELTA_FP32_PASS) and the dQ and dK/dV passes. ``fused``: one kernel makes both passes (dQ added
+    to an fp32 accumulator: ``ampere_backward``, ``hopper_dkdv.attention_dkdv_dq``), whose launch
+    function both passes' ``gluon`` hold."""
 
     delta_source: str
     dq: PassPlan
