@@ -193,6 +193,10 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
         assert not fused(**options), options
     with planner.override("bwd_dq", implementation="gluon"):
         assert not fused()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not fused()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    assert fused()
     launchers["fused"] = None  # (a Triton whose Gluon has no TMA reduction: fused_launcher)
     assert not fused()
     launchers["fused"] = lambda *args: "fused"

@@ -74,11 +74,13 @@ PLAIN_MASKS = ((-1, -1), (-1, 0))  # (AttentionOptions.window: none, causal)
 def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
     """Whether the backward takes the fused dK/dV/dQ kernel (``fused_launcher``): the Gluon
     dK/dV kernel chosen for the call with no override on either pass, head dim 64 or 128, no
-    dropout, no determinism asked for (dQ is summed by reductions in whatever order programs reach
-    them), and FLASH_ATTENTION_FUSED_DQ's rule above."""
+    dropout, no determinism asked for (``deterministic`` or torch.use_deterministic_algorithms: dQ
+    is summed by reductions in whatever order programs reach them), and FLASH_ATTENTION_FUSED_DQ's
+    rule above."""
     setting = os.environ.get("FLASH_ATTENTION_FUSED_DQ", "")
     head_dim = tensors[0].shape[-1]
-    if (setting == "0" or options.deterministic or options.dropout_p > 0 or head_dim not in FUSED_DQ_MIN_KEYS
+    if (setting == "0" or options.deterministic or torch.are_deterministic_algorithms_enabled()
+            or options.dropout_p > 0 or head_dim not in FUSED_DQ_MIN_KEYS
             or configs.OVERRIDES.get("bwd_dq") or configs.OVERRIDES.get("bwd_dkdv")):
         return False
     if setting != "1" and not (
