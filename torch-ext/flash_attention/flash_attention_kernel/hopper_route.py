@@ -78,10 +78,13 @@ def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted:
     is summed by reductions in whatever order programs reach them), and FLASH_ATTENTION_FUSED_DQ's
     rule above."""
     setting = os.environ.get("FLASH_ATTENTION_FUSED_DQ", "")
-    head_dim = tensors[0].shape[-1]
+    # (``chosen`` first: it turns fake tensors away, whose symbolic head dim cannot key a dict)
     if (setting == "0" or options.deterministic or torch.are_deterministic_algorithms_enabled()
-            or options.dropout_p > 0 or head_dim not in FUSED_DQ_MIN_KEYS
-            or configs.OVERRIDES.get("bwd_dq") or configs.OVERRIDES.get("bwd_dkdv")):
+            or options.dropout_p > 0 or configs.OVERRIDES.get("bwd_dq") or configs.OVERRIDES.get("bwd_dkdv")
+            or not chosen("bwd_dkdv", options, layout, interpreted, tensors)):
+        return False
+    head_dim = tensors[0].shape[-1]
+    if head_dim not in FUSED_DQ_MIN_KEYS:
         return False
     if setting != "1" and not (
             triton.__version__.startswith(FUSED_DQ_VERSIONS)
@@ -89,7 +92,7 @@ def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted:
             and tensors[0].shape[2] == tensors[1].shape[2]
             and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= FUSED_DQ_MIN_KEYS[head_dim]):
         return False
-    return chosen("bwd_dkdv", options, layout, interpreted, tensors) and fused_launcher() is not None
+    return fused_launcher() is not None
 
 
 def fused_launcher():
