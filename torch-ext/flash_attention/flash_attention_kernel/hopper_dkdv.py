@@ -79,7 +79,8 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
                    config: GluonConfig, dq_accum=None) -> None:
     """Write dK and dV (softmax_scale applied) of a call the planner gave this kernel, with its
     ``config`` (planner.plan_backward); lse and delta are
-    (batch, heads, seqlen_q) fp32 with delta already computed. The kernel launches directly, not
+    (batch, heads, seqlen_q) fp32 with delta already computed. With ``dq_accum`` (the fused
+    backward, ``attention_dkdv_dq``) it also adds dQ there. The kernel launches directly, not
     through torch.library.wrap_triton: the route keeps traced calls on the tl kernels."""
     batch, seqlen_k, num_heads_kv, _ = k.shape
     # lse and delta as flat vectors (row (batch * heads + head) * seqlen_q + i), read by TMA with each (Q, dO) tile
