@@ -46,14 +46,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, band_tiles,
-    chunk_buffers, chunk_bytes, chunks_at, issue_into_chunks, issue_over_chunks, load_chunks, make_ring,
-    operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits, tile_logits_grad,
-    tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
+    chunk_buffers, chunk_bytes, chunks_at, flat_descriptor, issue_into_chunks, issue_over_chunks, load_chunks,
+    make_ring, operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits,
+    tile_logits_grad, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -89,8 +88,12 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     arguments, constexprs = option_arguments(options, q)
     dq_desc, dq_geometry = None, (0, 0, 0)
     if dq_accum is not None:
+        # (contiguous fp32 in q's shape: rows of heads * head_dim, in blocks of 64 columns, what one
+        # consumer warpgroup adds of a tile's dQ: half of head dim 128, all of 64)
+        assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
         g = RowGeometry.of(dq_accum, layout)
-        dq_desc, dq_geometry = _dq_accum_descriptor(dq_accum, rows), (g.batch_rows, g.head_rows, g.head_cols)
+        dq_desc = flat_descriptor(dq_accum, (g.num_rows, g.stride_row), (rows, 64), DQ_STAGE_LAYOUT)
+        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
@@ -106,17 +109,6 @@ def attention_dkdv_dq(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options
     dK and dV, and softmax_scale * dQ added to the zeroed fp32 ``dq_accumulator`` (q's shape,
     contiguous), delta already made."""
     attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options, layout, config, dq_accum=dq_accumulator)
-
-
-def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
-    """TMA descriptor of fp32 ``dq_accum`` (batch, seqlen_q, heads, head_dim), contiguous,
-    as rows of heads * head_dim in blocks of ``rows`` rows by 64 columns (what one consumer
-    warpgroup adds of a tile's dQ: half of head dim 128, all of 64)."""
-    batch, seqlen, heads, head_dim = dq_accum.shape
-    assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
-    block = [rows, 64]
-    return TensorDescriptor(dq_accum.view(batch * seqlen, heads * head_dim), [batch * seqlen, heads * head_dim],
-                            [heads * head_dim, 1], block, DQ_STAGE_LAYOUT)
 
 
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
@@ -361,7 +353,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
     ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs. With FUSED_DQ,
-    dq_desc is the fp32 accumulator's (``_dq_accum_descriptor``) and the dq_ geometry its rows'
+    dq_desc is the fp32 accumulator's (``attention_dkdv``) and the dq_ geometry its rows'
     (``launch.RowGeometry``); else None and zeros."""
     start_key = gl.program_id(0) * (2 * KEYS)
     kv_head = gl.program_id(1)

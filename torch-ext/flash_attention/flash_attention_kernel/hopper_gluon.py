@@ -47,6 +47,7 @@ lists the Triton releases the kernels were run and checked under.
 """
 
 import functools
+import math
 
 import torch
 from triton.experimental import gluon
@@ -98,17 +99,23 @@ def _tile_template(tensors, layout: SequenceLayout, rows) -> tuple:
     return descriptors, tuple(value for g in geometry for value in (g.batch_rows, g.head_rows, g.head_cols))
 
 
-def vector_descriptor(x: torch.Tensor, block: int, layout) -> TensorDescriptor:
-    """A TMA descriptor of contiguous, 16-byte aligned vector ``x`` (its numel elements) in blocks
-    of ``block`` elements with the shared ``layout``: checked once per (numel, dtype, block,
-    layout), as ``tile_arguments``' descriptors are."""
-    key = (x.numel(), x.dtype, block, id(layout))
-    template = remembered(_VECTOR_TEMPLATES, key,
-                          lambda: with_launch_facts(TensorDescriptor(x, [x.numel()], [1], [block], layout)))
+def flat_descriptor(x: torch.Tensor, shape: tuple, block_shape: tuple, layout) -> TensorDescriptor:
+    """A TMA descriptor of contiguous, 16-byte aligned ``x`` seen as a row-major array of ``shape``
+    (its numel elements as a vector, or as a matrix of rows) in blocks of ``block_shape`` with the
+    shared ``layout``: checked once per (shape, dtype, block shape, layout), as ``tile_arguments``'
+    descriptors are."""
+    key = (shape, x.dtype, block_shape, id(layout))
+    template = remembered(_FLAT_TEMPLATES, key, lambda: with_launch_facts(TensorDescriptor(
+        x, list(shape), [math.prod(shape[i + 1:]) for i in range(len(shape))], list(block_shape), layout)))
     return _rebased(template, x)
 
 
-_VECTOR_TEMPLATES: dict = {}  # (each template holds its layout, so no other layout takes the id its key holds)
+def vector_descriptor(x: torch.Tensor, block: int, layout) -> TensorDescriptor:
+    """``flat_descriptor`` of ``x``'s numel elements as a vector, in blocks of ``block``."""
+    return flat_descriptor(x, (x.numel(),), (block,), layout)
+
+
+_FLAT_TEMPLATES: dict = {}  # (each template holds its layout, so no other layout takes the id its key holds)
 
 
 def _rebased(template: TensorDescriptor, tensor: torch.Tensor) -> TensorDescriptor:
