@@ -72,11 +72,11 @@ PLAIN_MASKS = ((-1, -1), (-1, 0))  # (AttentionOptions.window: none, causal)
 
 
 def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
-    """Whether the backward takes the fused dK/dV/dQ kernel (``fused_launcher``): the Gluon
-    dK/dV kernel chosen for the call with no override on either pass, head dim 64 or 128, no
-    dropout, no determinism asked for (``deterministic`` or torch.use_deterministic_algorithms: dQ
-    is summed by reductions in whatever order programs reach them), and FLASH_ATTENTION_FUSED_DQ's
-    rule above."""
+    """Whether the backward is to take the fused dK/dV/dQ kernel, where ``fused_launcher`` has one
+    (the planner asks it, as ampere_route's ``launcher``): the Gluon dK/dV kernel chosen for the
+    call with no override on either pass, head dim 64 or 128, no dropout, no determinism asked for
+    (``deterministic`` or torch.use_deterministic_algorithms: dQ is summed by reductions in
+    whatever order programs reach them), and FLASH_ATTENTION_FUSED_DQ's rule above."""
     setting = os.environ.get("FLASH_ATTENTION_FUSED_DQ", "")
     # (``chosen`` first: it turns fake tensors away, whose symbolic head dim cannot key a dict)
     if (setting == "0" or options.deterministic or torch.are_deterministic_algorithms_enabled()
@@ -86,13 +86,11 @@ def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted:
     head_dim = tensors[0].shape[-1]
     if head_dim not in FUSED_DQ_MIN_KEYS:
         return False
-    if setting != "1" and not (
-            triton.__version__.startswith(FUSED_DQ_VERSIONS)
-            and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
-            and tensors[0].shape[2] == tensors[1].shape[2]
-            and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= FUSED_DQ_MIN_KEYS[head_dim]):
-        return False
-    return fused_launcher() is not None
+    return setting == "1" or (
+        triton.__version__.startswith(FUSED_DQ_VERSIONS)
+        and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
+        and tensors[0].shape[2] == tensors[1].shape[2]
+        and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= FUSED_DQ_MIN_KEYS[head_dim])
 
 
 def fused_launcher():

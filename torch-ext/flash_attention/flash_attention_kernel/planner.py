@@ -117,8 +117,9 @@ def _backward_plan(options: AttentionOptions, layout: SequenceLayout, interprete
     if fused is not None:
         both = PassPlan(gluon=fused, gluon_config=ampere_route.config(q.device, q.shape[-1]))
         return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
-    if hopper_route.fused_chosen(options, layout, interpreted, tensors):  # (Hopper's fused dQ)
-        both = PassPlan(gluon=hopper_route.fused_launcher(), gluon_config=GluonConfig(
+    fused = hopper_route.fused_launcher() if hopper_route.fused_chosen(options, layout, interpreted, tensors) else None
+    if fused is not None:  # (Hopper's: the Gluon dK/dV kernel adds dQ)
+        both = PassPlan(gluon=fused, gluon_config=GluonConfig(
             *configs.GLUON_TILES["bwd_dkdv"], configs.GLUON_FUSED_STAGES[q.shape[-1]]))
         return BackwardPlan(DELTA_PREPROCESS, both, both, fused=True)
     dq = _pass_plan("bwd_dq", options, layout, interpreted, tensors)
