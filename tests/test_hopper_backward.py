@@ -95,7 +95,7 @@ if kernel == "dkdv":
         seqlen_q="i32", diag="i32", num_heads="i32", dq_batch_rows="i32", dq_head_rows="i32", dq_head_cols="i32")
     function = module._dkdv_kernel
     extra = dict(FUSED_DQ=fused)
-    if fused:  # (the fp32 accumulator's blocks: 64 rows by 64 columns, hopper_dkdv._dq_accum_descriptor)
+    if fused:  # (the fp32 accumulator's blocks: 64 rows by 64 columns, hopper_dkdv.attention_dkdv)
         arguments["dq_desc"] = f"tensordesc<fp32[64, 64],{module.DQ_STAGE_LAYOUT!r}>"
     else:
         extra["dq_desc"] = None
@@ -131,6 +131,11 @@ signature = {n: "constexpr" if n in constants else types[n] for n in function.ar
         "d80-window-alibi-softcap"])
 def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
     """The kernels compile to sm_90 cubins under the installed Triton, with no GPU needed."""
+    _assert_kernel_compiles(fa, kernel, head_dim, group, options)
+
+
+def _assert_kernel_compiles(fa, kernel, head_dim, group, options):
+    """``kernel`` (_KERNEL_SIGNATURE's) compiled for sm_90 with these options (``alibi``: slopes given)."""
     options = dict(options)  # (the parametrized dict serves both kernels: popping from it lost dQ's ALiBi)
     alibi = options.pop("alibi", False)
     attention = fa.flash_attention_kernel.AttentionOptions(
@@ -146,17 +151,11 @@ def test_compiles_for_hopper(fa, kernel, head_dim, group, options):
 ], ids=["d128-causal", "d128-plain", "d64-causal", "d64-gqa", "d128-gqa-window-softcap-alibi"])
 def test_fused_dq_compiles_for_hopper(fa, head_dim, group, options):
     """The dK/dV kernel with FUSED_DQ (dQ added by TMA reductions) compiles to an sm_90 cubin within
-    227 KB, its wgmmas pipelined, under a Triton that has the reduction (3.8 on; scripts run this
-    file under 3.8.0 and 3.9.0 from .tritons/ on the CPU too, docs/testing.md)."""
+    227 KB, its wgmmas pipelined, under a Triton that has the reduction (3.8 on; on the CPU,
+    ``scripts/triton_matrix.py --checks gluon 3.8.0 3.9.0`` runs it under those, docs/testing.md)."""
     if gluon_module(fa, "hopper_dkdv").tma_atomic_add is None:
         pytest.skip(f"Triton {triton.__version__}'s Gluon has no TMA reduction (3.8 on)")
-    options = dict(options)
-    alibi = options.pop("alibi", False)
-    attention = fa.flash_attention_kernel.AttentionOptions(
-        0.125, alibi_slopes=torch.ones(1) if alibi else None, **options)
-    _, constexprs = gluon_module(fa, "hopper_gluon").option_arguments(attention, torch.empty(1))
-    assert_compiles_for_hopper(fa, _KERNEL_SIGNATURE, "dkdv_fused", head_dim, group, constexprs["VARIANT"],
-                               constexprs["ALIBI_ABS"])
+    _assert_kernel_compiles(fa, "dkdv_fused", head_dim, group, options)
 
 
 def _bhsd_view(batch, seqlen, heads, dtype, head_dim=128):
@@ -193,6 +192,16 @@ CASES = [
     ("d80-bhsd-more-queries", lambda dt: (_bhsd_view(2, 384, 3, dt, 80), _bhsd_view(2, 256, 3, dt, 80),
                                           _bhsd_view(2, 256, 3, dt, 80)), True, (True, True)),
 ]
+
+
+def _assert_meets_bar(grads, q, k, v, dout, causal, **reference):
+    """dq, dk, dv ``grads`` within BWD_FACTOR of PyTorch's bf16 error against float64 (``run_ref``
+    with ``reference``'s options)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **reference)
+    _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **reference)
+    for label, mine, pt, exact in zip(("dq", "dk", "dv"), grads, same_dtype, truth):
+        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
 
 
 def _gradients(fa, monkeypatch, setting, q, k, v, dout, causal, **options):
@@ -251,12 +260,7 @@ def test_fused_dq(fa, monkeypatch, name, make, causal, taken, options):
                                          softcap=options.get("softcap", 0.0))
     assert kernels.planner.plan_backward(attention, layout, False, q, k, v, dout).fused == taken[0]
     ours = _gradients(fa, monkeypatch, "1", q, k, v, dout, causal, **options)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    reference = dict(softcap=options.get("softcap", 0.0), window=window)
-    _, truth = run_ref(q, k, v, dout, causal, scale, torch.float64, **reference)
-    _, same_dtype = run_ref(q, k, v, dout, causal, scale, BF16, **reference)
-    for label, mine, pt, exact in zip(("dq", "dk", "dv"), ours, same_dtype, truth):
-        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+    _assert_meets_bar(ours, q, k, v, dout, causal, softcap=options.get("softcap", 0.0), window=window)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
@@ -272,11 +276,7 @@ def test_fused_dq_default_route(fa, monkeypatch):
     plan = kernels.planner.plan_backward(kernels.AttentionOptions(128 ** -0.5, True), layout, False, q, k, v, dout)
     default = triton.__version__.startswith(kernels.hopper_route.FUSED_DQ_VERSIONS)
     assert plan.fused == (default and kernels.hopper_route.fused_launcher() is not None)
-    ours = _gradients(fa, monkeypatch, "", q, k, v, dout, True)
-    _, truth = run_ref(q, k, v, dout, True, 128 ** -0.5, torch.float64)
-    _, same_dtype = run_ref(q, k, v, dout, True, 128 ** -0.5, BF16)
-    for label, mine, pt, exact in zip(("dq", "dk", "dv"), ours, same_dtype, truth):
-        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+    _assert_meets_bar(_gradients(fa, monkeypatch, "", q, k, v, dout, True), q, k, v, dout, True)
     deterministic = kernels.AttentionOptions(128 ** -0.5, True, deterministic=True)
     assert not kernels.planner.plan_backward(deterministic, layout, False, q, k, v, dout).fused
     first, again = (_gradients(fa, monkeypatch, "", q, k, v, dout, True, deterministic=True) for _ in range(2))
@@ -294,11 +294,7 @@ def test_sinks_and_repeatability(fa, monkeypatch):
     first = _gradients(fa, monkeypatch, "1", q, k, v, dout, True, s_aux=sinks)
     again = _gradients(fa, monkeypatch, "1", q, k, v, dout, True, s_aux=sinks)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    _, truth = run_ref(q, k, v, dout, True, scale, torch.float64, sinks=sinks)
-    _, same_dtype = run_ref(q, k, v, dout, True, scale, BF16, sinks=sinks)
-    for label, mine, pt, exact in zip(("dq", "dk", "dv"), first, same_dtype, truth):
-        assert_within_bar(label, mine, pt, exact, BWD_FACTOR)
+    _assert_meets_bar(first, q, k, v, dout, True, sinks=sinks)
 
 
 DROPOUT_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "more-queries-causal",
