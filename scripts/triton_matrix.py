@@ -77,17 +77,20 @@ def interpreter_runs(version: str) -> bool:
     (INTERPRETER_FROM; INTERPRETER_UNDER_NUMPY_2_4_FROM beside NumPy 2.4 or newer). tests/test_fuzz.py
     asks it too."""
     import numpy
-    release = tuple(int(part) for part in version.split(".")[:2])
-    numpy_2_4 = tuple(int(part) for part in numpy.__version__.split(".")[:2]) >= (2, 4)
-    return release >= (INTERPRETER_UNDER_NUMPY_2_4_FROM if numpy_2_4 else INTERPRETER_FROM)
+    interpreter_from = INTERPRETER_UNDER_NUMPY_2_4_FROM if release(numpy.__version__) >= (2, 4) else INTERPRETER_FROM
+    return release(version) >= interpreter_from
+
+
+def release(version: str) -> tuple:
+    """(major, minor) of a version string."""
+    return tuple(int(part) for part in version.split(".")[:2])
 
 
 def checks_for(version: str, asked: list) -> list:
     """The checks asked for that this version supports (the run needs ``interpreter_runs``, the
     Gluon compiles GLUON_FROM)."""
-    release = tuple(int(part) for part in version.split(".")[:2])
     return [check for check in asked
-            if (check != "run" or interpreter_runs(version)) and (check != "gluon" or release >= GLUON_FROM)]
+            if (check != "run" or interpreter_runs(version)) and (check != "gluon" or release(version) >= GLUON_FROM)]
 
 
 def run_check(check: str, version: str, target: Path) -> bool:
