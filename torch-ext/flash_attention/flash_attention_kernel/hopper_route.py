@@ -62,11 +62,9 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # otherwise the default rule, where an H200 measured it faster (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel):
 # under the Tritons of FUSED_DQ_VERSIONS, causal or no mask, one query head a KV head, and a query
 # row seeing on average at least FUSED_DQ_MIN_KEYS[head_dim] keys (below, the two kernels win:
-# 0.93-0.95x at head dim 128 causal with 1k-2k tokens). FUSED_DQ_VERSIONS is empty until a GPU run
-# of test_hopper_backward.py's fused cases checks the kernel's gradients; ("3.9.",) is what the
-# timings support. Triton 3.8 has the TMA reduction it adds by but was not timed; 3.6-3.7 lack it
-# (fp32 atomics in its place ran 0.69-0.97x).
-FUSED_DQ_VERSIONS = ()
+# 0.93-0.95x at head dim 128 causal with 1k-2k tokens). Triton 3.8 has the TMA reduction it adds
+# by but was not timed; 3.6-3.7 lack it (fp32 atomics in its place ran 0.69-0.97x).
+FUSED_DQ_VERSIONS = ("3.9.",)
 FUSED_DQ_MIN_KEYS = {64: 1024, 128: 1536}
 PLAIN_MASKS = ((-1, -1), (-1, 0))  # (AttentionOptions.window: none, causal)
 
