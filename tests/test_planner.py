@@ -150,9 +150,9 @@ def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
 
 def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     """Hopper's backward in one kernel (hopper_route.fused_chosen): by default under the Tritons of
-    FUSED_DQ_VERSIONS (3.9),
-    causal or no mask, one query head a KV head, from FUSED_DQ_MIN_KEYS keys a row on average; FLASH_ATTENTION_FUSED_DQ=1 wherever the kernel can take it (never with dropout,
-    determinism, another head dim, an override, or a Triton without the TMA reduction), 0 never.
+    FUSED_DQ_VERSIONS (3.9), causal or no mask, one query head a KV head, from FUSED_DQ_MIN_KEYS
+    keys a row on average; FLASH_ATTENTION_FUSED_DQ=1 wherever the kernel can take it (never with
+    dropout, determinism, another head dim, an override, or a Triton without the TMA reduction), 0 never.
     Its plan: one launch function for both passes, the package's preprocess, GLUON_FUSED_STAGES."""
     route, planner, configs = kernels.hopper_route, kernels.planner, kernels.configs
     launchers = {"fused": lambda *args: "fused"}
