@@ -265,16 +265,17 @@ def test_fused_dq(fa, monkeypatch, name, make, causal, taken, options):
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
 def test_fused_dq_default_route(fa, monkeypatch):
-    """By default a long causal d128 call takes the fused backward under the Tritons of
-    hopper_route.FUSED_DQ_VERSIONS (3072 tokens: a row sees 1536 keys on average) and meets the
-    float64 bar; deterministic=True keeps it on the two kernels, bitwise repeatable."""
+    """By default a long causal d128 call takes the fused backward under the Triton releases whose
+    hopper_route.FUSED_DQ_MIN_KEYS holds d128 (3072 tokens: a row sees 1536 keys on average) and
+    meets the float64 bar; deterministic=True keeps it on the two kernels, bitwise repeatable."""
     kernels = fa.flash_attention_kernel
     q, k, v = (bshd(1, 3072, 2, BF16) for _ in range(3))
     dout = torch.randn_like(q)
     monkeypatch.delenv("FLASH_ATTENTION_FUSED_DQ", raising=False)
     layout = kernels.launch.SequenceLayout.of(q, k)
     plan = kernels.planner.plan_backward(kernels.AttentionOptions(128 ** -0.5, True), layout, False, q, k, v, dout)
-    default = triton.__version__.startswith(kernels.hopper_route.FUSED_DQ_VERSIONS)
+    default = any(triton.__version__.startswith(version) and 128 in keys
+                  for version, keys in kernels.hopper_route.FUSED_DQ_MIN_KEYS.items())
     assert plan.fused == (default and kernels.hopper_route.fused_launcher() is not None)
     _assert_meets_bar(_gradients(fa, monkeypatch, "", q, k, v, dout, True), q, k, v, dout, True)
     deterministic = kernels.AttentionOptions(128 ** -0.5, True, deterministic=True)

@@ -58,14 +58,16 @@ BACKWARD_MIN_SEQLEN_K = 256
 _loaded = {}  # module name -> the imported module, or None where its import failed
 
 # The backward in one kernel (``fused_chosen``): the dK/dV kernel adds dQ too, FlashAttention-3's
-# split (hopper_dkdv's FUSED_DQ). FLASH_ATTENTION_FUSED_DQ: "0" never; "1" wherever it can run;
-# otherwise the default rule, where an H200 measured it faster (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel):
-# under the Tritons of FUSED_DQ_VERSIONS, causal or no mask, one query head a KV head, and a query
-# row seeing on average at least FUSED_DQ_MIN_KEYS[head_dim] keys (below, the two kernels win:
-# 0.93-0.95x at head dim 128 causal with 1k-2k tokens). Triton 3.8 has the TMA reduction it adds
-# by but was not timed; 3.6-3.7 lack it (fp32 atomics in its place ran 0.69-0.97x).
-FUSED_DQ_VERSIONS = ("3.9.",)
-FUSED_DQ_MIN_KEYS = {64: 1024, 128: 1536}
+# split (hopper_dkdv's FUSED_DQ), at the head dims of FUSED_DQ_HEAD_DIMS. FLASH_ATTENTION_FUSED_DQ:
+# "0" never; "1" wherever it can run; otherwise the default rule, where an H200 measured it faster
+# (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel): under a Triton release of FUSED_DQ_MIN_KEYS at
+# one of its head dims, causal or no mask, one query head a KV head, and a query row seeing on
+# average at least that many keys (below, the two kernels win: 0.93-0.95x at head dim 128 causal
+# with 1k-2k tokens). Under 3.8 the d128 kernel spills more (120 bytes of stack causal against 3.9's
+# 80) and ran 0.86-0.89x the two kernels causal; 3.6-3.7 lack the TMA reduction it adds dQ by (fp32
+# atomics in its place ran 0.69-0.97x).
+FUSED_DQ_HEAD_DIMS = (64, 128)
+FUSED_DQ_MIN_KEYS = {"3.9.": {64: 1024, 128: 1536}, "3.8.": {64: 1024}}  # release -> head dim -> keys
 PLAIN_MASKS = ((-1, -1), (-1, 0))  # (AttentionOptions.window: none, causal)
 
 
@@ -82,13 +84,14 @@ def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted:
             or not chosen("bwd_dkdv", options, layout, interpreted, tensors)):
         return False
     head_dim = tensors[0].shape[-1]
-    if head_dim not in FUSED_DQ_MIN_KEYS:
+    if head_dim not in FUSED_DQ_HEAD_DIMS:
         return False
-    return setting == "1" or (
-        triton.__version__.startswith(FUSED_DQ_VERSIONS)
-        and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
-        and tensors[0].shape[2] == tensors[1].shape[2]
-        and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= FUSED_DQ_MIN_KEYS[head_dim])
+    if setting == "1":
+        return True
+    release = next((keys for version, keys in FUSED_DQ_MIN_KEYS.items() if triton.__version__.startswith(version)), {})
+    return (head_dim in release and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
+            and tensors[0].shape[2] == tensors[1].shape[2]
+            and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= release[head_dim])
 
 
 def fused_launcher():
