@@ -88,11 +88,13 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     arguments, constexprs = option_arguments(options, q)
     dq_desc, dq_geometry = None, (0, 0, 0)
     if dq_accum is not None:
-        # (contiguous fp32 in q's shape: rows of heads * head_dim, in blocks of 64 columns, what one
-        # consumer warpgroup adds of a tile's dQ: half of head dim 128, all of 64)
+        # (contiguous fp32 in q's shape: rows of heads * head_dim, each seen as slices of
+        # DQ_BOX_COLUMNS; one consumer warpgroup adds two slices of a tile's rows, 64 columns: half
+        # of head dim 128, all of 64)
         assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
         g = RowGeometry.of(dq_accum, layout)
-        dq_desc = flat_descriptor(dq_accum, (g.num_rows, g.stride_row), (rows, 64), DQ_STAGE_LAYOUT)
+        dq_desc = flat_descriptor(dq_accum, (g.num_rows, g.stride_row // DQ_BOX_COLUMNS, DQ_BOX_COLUMNS),
+                                  (rows, 2, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
         dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
@@ -112,14 +114,19 @@ def attention_dkdv_dq(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options
 
 
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
-# the fused dQ's fp32 staging: unswizzled, since a TMA box's rows may exceed the 128-byte swizzle
-# only where the copy is split, which the reduction's lowering was not seen to do (64 fp32 columns
-# are 256 bytes)
-DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+# the fused dQ's fp32 staging: a warpgroup's 64 columns of a tile's rows as [rows, 2, 32] under the
+# 128-byte swizzle (a TMA box's innermost extent may not exceed it: 32 fp32), so that the swizzle's
+# phase takes the query row's low bits and each half-warp's 4 rows of a 64-bit store land on
+# distinct banks. Unswizzled 256-byte rows put a warp's 8 rows on the same banks: 8-way
+# conflicts, 22 % of the kernel's shared-memory wavefronts and its largest stall; [rows, 32] boxes
+# still took 2-way (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)
+DQ_BOX_COLUMNS = 32
+DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
 KEYS = gl.constexpr(KEY_ROWS)
 ROWS = gl.constexpr(QUERY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
 REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
+DQ_BOX = gl.constexpr(DQ_BOX_COLUMNS)
 
 @gluon.jit
 def _query_tiles(first_key, last_key, seqlen_q, band, VARIANT: gl.constexpr):
@@ -206,12 +213,12 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
     waits for the other's dS^T.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
-    warpgroups' keys, dq_stage [2, ROWS, 64] fp32, ds_ready and ds_free [2, 1] mbarriers, dq_desc,
+    warpgroups' keys, dq_stage [2, ROWS, 2, DQ_BOX] fp32 a warpgroup, ds_ready and ds_free [2, 1] mbarriers, dq_desc,
     softmax_scale); ``dq_at`` = (row, column) of the
     tile's dQ in dq_accum's rows."""
     ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc, softmax_scale = fused
     dq_row, dq_col = dq_at
-    WIDTH: gl.constexpr = dq_stage.shape[2]  # (dQ columns one warpgroup forms)
+    WIDTH: gl.constexpr = 2 * dq_stage.shape[3]  # (dQ columns one warpgroup forms)
     SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
     gl.static_assert(SPLIT or k_all.shape[2] == WIDTH, "the fused dQ holds head dims 64 and 128")
     parity = i % 2
@@ -264,12 +271,13 @@ def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
 
 @gluon.jit
 def _add_dq(dq, stage, dq_desc, row, col):
-    """Add fp32 ``dq`` [ROWS, WIDTH] at (row, col) of the accumulator's rows (``dq_desc``) by a
-    TMA reduction from ``stage``."""
+    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows (``dq_desc``:
+    slices of DQ_BOX columns) by a TMA reduction from ``stage`` [ROWS, 2, DQ_BOX]."""
+    BOX: gl.constexpr = stage.shape[2]
     tma.store_wait(0)  # (the last reduction has read the staging buffer)
-    stage.store(dq)
+    stage.store(dq.reshape([ROWS, 2, BOX]))
     fence_async_shared()
-    tma_atomic_add(dq_desc, [row, col], stage)
+    tma_atomic_add(dq_desc, [row, col // BOX, 0], stage)
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
@@ -385,7 +393,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     if FUSED_DQ:  # (_fused_dq)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, KEYS], DQ_STAGE_LAYOUT)  # (64 columns: _fused_dq)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, 2, DQ_BOX], DQ_STAGE_LAYOUT)  # (_fused_dq)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)
