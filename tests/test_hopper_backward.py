@@ -95,8 +95,8 @@ if kernel == "dkdv":
         seqlen_q="i32", diag="i32", num_heads="i32", dq_batch_rows="i32", dq_head_rows="i32", dq_head_cols="i32")
     function = module._dkdv_kernel
     extra = dict(FUSED_DQ=fused)
-    if fused:  # (the fp32 accumulator's boxes: 64 rows by two slices of columns, hopper_dkdv.attention_dkdv)
-        arguments["dq_desc"] = f"tensordesc<fp32[64, 2, {module.DQ_BOX_COLUMNS}],{module.DQ_STAGE_LAYOUT!r}>"
+    if fused:  # (the fp32 accumulator's boxes: 64 rows by DQ_BOX_COLUMNS, hopper_dkdv.attention_dkdv)
+        arguments["dq_desc"] = f"tensordesc<fp32[64, {module.DQ_BOX_COLUMNS}],{module.DQ_STAGE_LAYOUT!r}>"
     else:
         extra["dq_desc"] = None
 else:

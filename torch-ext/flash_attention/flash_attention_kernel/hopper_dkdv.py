@@ -88,13 +88,11 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     arguments, constexprs = option_arguments(options, q)
     dq_desc, dq_geometry = None, (0, 0, 0)
     if dq_accum is not None:
-        # (contiguous fp32 in q's shape: rows of heads * head_dim, each seen as slices of
-        # DQ_BOX_COLUMNS; one consumer warpgroup adds two slices of a tile's rows, 64 columns: half
-        # of head dim 128, all of 64)
+        # (contiguous fp32 in q's shape: rows of heads * head_dim, in boxes of DQ_BOX_COLUMNS; one
+        # consumer warpgroup adds 64 columns of a tile's dQ, half of head dim 128, all of 64)
         assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
         g = RowGeometry.of(dq_accum, layout)
-        dq_desc = flat_descriptor(dq_accum, (g.num_rows, g.stride_row // DQ_BOX_COLUMNS, DQ_BOX_COLUMNS),
-                                  (rows, 2, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
+        dq_desc = flat_descriptor(dq_accum, (g.num_rows, g.stride_row), (rows, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
         dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
@@ -114,14 +112,14 @@ def attention_dkdv_dq(dout, q, k, v, lse, delta, dq_accumulator, dk, dv, options
 
 
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse, delta in the ring
-# the fused dQ's fp32 staging: a warpgroup's 64 columns of a tile's rows as [rows, 2, 32] under the
-# 128-byte swizzle (a TMA box's innermost extent may not exceed it: 32 fp32), so that the swizzle's
-# phase takes the query row's low bits and each half-warp's 4 rows of a 64-bit store land on
-# distinct banks. Unswizzled 256-byte rows put a warp's 8 rows on the same banks: 8-way
-# conflicts, 22 % of the kernel's shared-memory wavefronts and its largest stall; [rows, 32] boxes
-# still took 2-way (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)
+# the fused dQ's fp32 staging, in boxes of 32 columns (128 bytes: a TMA box's rows may not exceed
+# the swizzle) under the 128-byte swizzle, which spreads the 8 rows a warp's store touches over the
+# banks. Unswizzled 256-byte rows put all 8 on the same banks: 8-way conflicts, 22 % of the kernel's
+# shared-memory wavefronts and its largest stall; swizzled, a half-warp's 4 rows still pair up
+# (2-way), and the one-box layout that avoids that gave wrong dQ under Triton 3.8
+# (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)
 DQ_BOX_COLUMNS = 32
-DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 KEYS = gl.constexpr(KEY_ROWS)
 ROWS = gl.constexpr(QUERY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
@@ -213,12 +211,12 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
     waits for the other's dS^T.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
-    warpgroups' keys, dq_stage [2, ROWS, 2, DQ_BOX] fp32 a warpgroup, ds_ready and ds_free [2, 1] mbarriers, dq_desc,
+    warpgroups' keys, dq_stage [4, ROWS, DQ_BOX] fp32: (warpgroup, box), ds_ready and ds_free [2, 1] mbarriers, dq_desc,
     softmax_scale); ``dq_at`` = (row, column) of the
     tile's dQ in dq_accum's rows."""
     ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc, softmax_scale = fused
     dq_row, dq_col = dq_at
-    WIDTH: gl.constexpr = 2 * dq_stage.shape[3]  # (dQ columns one warpgroup forms)
+    WIDTH: gl.constexpr = 2 * dq_stage.shape[2]  # (dQ columns one warpgroup forms: two boxes)
     SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
     gl.static_assert(SPLIT or k_all.shape[2] == WIDTH, "the fused dQ holds head dims 64 and 128")
     parity = i % 2
@@ -234,14 +232,14 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
         dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
         mbarrier.arrive(ds_free.index(parity), count=1)
         ring.release(i)
-        _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_desc, dq_row, dq_col + WG * WIDTH)
+        _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_desc, dq_row, dq_col + WG * WIDTH)
     else:
         if parity == WG:  # (this warpgroup's turn)
             mbarrier.wait(ds_ready.index(parity), phase)
             acc = _dq_product(ds_bufs, k_all, parity, 0, WIDTH)
             dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
             mbarrier.arrive(ds_free.index(parity), count=1)
-            _add_dq(acc * softmax_scale, dq_stage.index(WG), dq_desc, dq_row, dq_col)
+            _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_desc, dq_row, dq_col)
         else:
             dk0, dv0 = warpgroup_mma_wait(0, deps=(dk[0], dv[0]))
         ring.release(i)
@@ -270,14 +268,18 @@ def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
                          acc, is_async=True)
 
 @gluon.jit
-def _add_dq(dq, stage, dq_desc, row, col):
-    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows (``dq_desc``:
-    slices of DQ_BOX columns) by a TMA reduction from ``stage`` [ROWS, 2, DQ_BOX]."""
-    BOX: gl.constexpr = stage.shape[2]
-    tma.store_wait(0)  # (the last reduction has read the staging buffer)
-    stage.store(dq.reshape([ROWS, 2, BOX]))
+def _add_dq(dq, stages, first, dq_desc, row, col):
+    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows (``dq_desc``) by
+    two TMA reductions, one a box, from ``stages`` first and first + 1. (The accumulator layout
+    holds each column's bit 5 in registers, so the split into boxes moves no data.)"""
+    BOX: gl.constexpr = stages.shape[2]
+    left, right = dq.reshape([ROWS, 2, BOX]).permute((0, 2, 1)).split()
+    tma.store_wait(0)  # (the last reductions have read the staging buffers)
+    stages.index(first).store(left)
+    stages.index(first + 1).store(right)
     fence_async_shared()
-    tma_atomic_add(dq_desc, [row, col // BOX, 0], stage)
+    tma_atomic_add(dq_desc, [row, col], stages.index(first))
+    tma_atomic_add(dq_desc, [row, col + BOX], stages.index(first + 1))
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
@@ -393,7 +395,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
     if FUSED_DQ:  # (_fused_dq)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, ROWS, 2, DQ_BOX], DQ_STAGE_LAYOUT)  # (_fused_dq)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [4, ROWS, DQ_BOX], DQ_STAGE_LAYOUT)  # (_fused_dq)
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)

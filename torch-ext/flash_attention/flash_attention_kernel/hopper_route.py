@@ -62,12 +62,12 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # "0" never; "1" wherever it can run; otherwise the default rule, where an H200 measured it faster
 # (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel): under a Triton release of FUSED_DQ_MIN_KEYS at
 # one of its head dims, causal or no mask, one query head a KV head, and a query row seeing on
-# average at least that many keys (below, the two kernels win: 0.93-0.95x at head dim 128 causal
-# with 1k-2k tokens). Under 3.8 the d128 kernel spills more (120 bytes of stack causal against 3.9's
-# 80) and ran 0.86-0.89x the two kernels causal; 3.6-3.7 lack the TMA reduction it adds dQ by (fp32
-# atomics in its place ran 0.69-0.97x).
+# average at least that many keys (below, the two kernels win: 0.92x at head dim 128 causal with 1k
+# tokens). Under 3.8 the d128 kernel spills more (136 bytes of stack causal against 3.9's 104) and
+# ran 0.93-0.99x the two kernels causal (1.13-1.16x non-causal: a rule by mask is left for later);
+# 3.6-3.7 lack the TMA reduction it adds dQ by (fp32 atomics in its place ran 0.69-0.97x).
 FUSED_DQ_HEAD_DIMS = (64, 128)
-FUSED_DQ_MIN_KEYS = {"3.9.": {64: 1024, 128: 1536}, "3.8.": {64: 1024}}  # release -> head dim -> keys
+FUSED_DQ_MIN_KEYS = {"3.9.": {64: 512, 128: 1024}, "3.8.": {64: 1024}}  # release -> head dim -> keys
 PLAIN_MASKS = ((-1, -1), (-1, 0))  # (AttentionOptions.window: none, causal)
 
 
