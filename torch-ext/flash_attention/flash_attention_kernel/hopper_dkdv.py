@@ -26,8 +26,9 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   where the dQ kernel beside it makes 7. With a tile's dV and dK products in flight, each
   warpgroup puts its dS^T in shared memory (double-buffered by tile parity); at head dim 128 each
   then forms half of dQ's columns over the program's 128 keys, at 64 the warpgroups take whole
-  tiles in turn; the partial dQ goes through an fp32 staging buffer to the zeroed fp32 accumulator
-  by one TMA reduction (``tma.async_atomic_add``, Triton 3.8 on). Both warpgroups then visit every
+  tiles in turn; the partial dQ goes through a swizzled fp32 staging buffer to the zeroed fp32
+  accumulator by TMA reductions (``tma.async_atomic_add``, Triton 3.8 on; two boxes of 32 columns,
+  DQ_STAGE_LAYOUT). Both warpgroups then visit every
   query tile the program streams (a tile one of them does not see contributes zeros), since each
   needs the other's dS^T (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel).
 
