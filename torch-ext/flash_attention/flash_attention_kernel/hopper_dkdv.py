@@ -28,9 +28,9 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   then forms half of dQ's columns over the program's 128 keys, at 64 the warpgroups take whole
   tiles in turn; the partial dQ goes through a swizzled fp32 staging buffer to the zeroed fp32
   accumulator by TMA reductions (``tma.async_atomic_add``, Triton 3.8 on; two boxes of 32 columns,
-  DQ_STAGE_LAYOUT). Both warpgroups then visit every
-  query tile the program streams (a tile one of them does not see contributes zeros), since each
-  needs the other's dS^T (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel).
+  DQ_STAGE_LAYOUT). Both warpgroups then visit every query tile the program streams (a tile one
+  of them does not see contributes zeros), since each needs the other's dS^T
+  (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel).
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
@@ -212,9 +212,9 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
     waits for the other's dS^T.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
-    warpgroups' keys, dq_stage [4, ROWS, DQ_BOX] fp32: (warpgroup, box), ds_ready and ds_free [2, 1] mbarriers, dq_desc,
-    softmax_scale); ``dq_at`` = (row, column) of the
-    tile's dQ in dq_accum's rows."""
+    warpgroups' keys, dq_stage [4, ROWS, DQ_BOX] fp32: (warpgroup, box), ds_ready and ds_free
+    [2, 1] mbarriers, dq_desc, softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in
+    dq_accum's rows."""
     ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc, softmax_scale = fused
     dq_row, dq_col = dq_at
     WIDTH: gl.constexpr = 2 * dq_stage.shape[2]  # (dQ columns one warpgroup forms: two boxes)

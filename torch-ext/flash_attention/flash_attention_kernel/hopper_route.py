@@ -88,10 +88,11 @@ def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted:
         return False
     if setting == "1":
         return True
-    release = next((keys for version, keys in FUSED_DQ_MIN_KEYS.items() if triton.__version__.startswith(version)), {})
-    return (head_dim in release and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
+    min_keys = next((by_head_dim for version, by_head_dim in FUSED_DQ_MIN_KEYS.items()
+                     if triton.__version__.startswith(version)), {})
+    return (head_dim in min_keys and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
             and tensors[0].shape[2] == tensors[1].shape[2]
-            and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= release[head_dim])
+            and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= min_keys[head_dim])
 
 
 def fused_launcher():
