@@ -35,7 +35,10 @@ SAMPLES, EXCESSIVE = "Warp Stall Sampling (All Samples)", "L1 Wavefronts Shared 
 
 def run(args) -> None:
     """One call (bf16, hidden 2048) of the package's attention or an SDPA backend's under the
-    profiler, after a warm-up."""
+    profiler, after a warm-up. With EMULATE_GPU set (and ../shared/tools on PYTHONPATH) the GPU
+    poses as that class, as in bench_fused_backward.py."""
+    if os.environ.get("EMULATE_GPU"):
+        import emulate_gpu  # noqa: F401  (before torch sees the GPU)
     import torch
     heads = 2048 // args.head_dim
     leaves = [torch.randn(args.batch, args.seqlen, heads, args.head_dim, device="cuda", dtype=torch.bfloat16,
