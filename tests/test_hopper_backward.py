@@ -274,8 +274,7 @@ def test_fused_dq_default_route(fa, monkeypatch):
     monkeypatch.delenv("FLASH_ATTENTION_FUSED_DQ", raising=False)
     layout = kernels.launch.SequenceLayout.of(q, k)
     plan = kernels.planner.plan_backward(kernels.AttentionOptions(128 ** -0.5, True), layout, False, q, k, v, dout)
-    default = any(triton.__version__.startswith(version) and 128 in keys
-                  for version, keys in kernels.hopper_route.FUSED_DQ_MIN_KEYS.items())
+    default = 128 in kernels.hopper_route.fused_min_keys()
     assert plan.fused == (default and kernels.hopper_route.fused_launcher() is not None)
     _assert_meets_bar(_gradients(fa, monkeypatch, "", q, k, v, dout, True), q, k, v, dout, True)
     deterministic = kernels.AttentionOptions(128 ** -0.5, True, deterministic=True)
