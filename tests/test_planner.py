@@ -150,7 +150,7 @@ def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
 
 def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     """Hopper's backward in one kernel (hopper_route.fused_chosen): by default under the Triton
-    releases and head dims of FUSED_DQ_MIN_KEYS (3.9: d64, d128; 3.8: d64), causal or no mask, one
+    releases, head dims and masks of FUSED_DQ_MIN_KEYS (3.9: d64, d128; 3.8: d64, d128 unmasked), one
     query head a KV head, from that many keys a row on average; FLASH_ATTENTION_FUSED_DQ=1 wherever
     the kernel can take it (never with dropout, determinism, another head dim, an override, or a
     Triton without the TMA reduction), 0 never. Its plan: one launch function for both passes, the
@@ -180,8 +180,9 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     for options in (dict(softcap=20.0), dict(window_left=512), dict(window_right=64, causal=False), dict(sinks=sinks),
                     dict(alibi_slopes=torch.ones(2, device=DEVICE)), dict(heads_kv=1)):
         assert not fused(**options), options
-    monkeypatch.setattr(route.triton, "__version__", "3.8.0")  # (d128 spills more under 3.8 and lost)
+    monkeypatch.setattr(route.triton, "__version__", "3.8.0")  # (d128 causal spills more under 3.8 and lost)
     assert not fused() and fused(64, 2048) and not fused(64, 1024)
+    assert fused(seqlen=1024, causal=False) and not fused(seqlen=512, causal=False)
     monkeypatch.setattr(route.triton, "__version__", "3.7.1")
     assert not fused() and not fused(64, 2048)
     monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "1")  # wherever the kernel can take the call

@@ -61,13 +61,17 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # split (hopper_dkdv's FUSED_DQ), at the head dims configs.GLUON_FUSED_STAGES has rings for.
 # FLASH_ATTENTION_FUSED_DQ: "0" never; "1" wherever it can run; otherwise the default rule, where an
 # H200 measured it faster (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel): under a Triton
-# release of FUSED_DQ_MIN_KEYS (``fused_min_keys``) at one of its head dims, causal or no mask, one
-# query head a KV head, and a query row seeing on average at least that many keys (below, the two
-# kernels win: 0.92x at head dim 128 causal with 1k tokens). Under 3.8 the d128 kernel spills more (136 bytes of stack causal against 3.9's 104) and
-# ran 0.93-0.99x the two kernels causal (1.13-1.16x non-causal: a rule by mask is left for later);
-# 3.6-3.7 lack the TMA reduction it adds dQ by (fp32 atomics in its place ran 0.69-0.97x).
-FUSED_DQ_MIN_KEYS = {"3.9.": {64: 512, 128: 1024}, "3.8.": {64: 1024}}  # release -> head dim -> keys
-PLAIN_MASKS = ((-1, -1), (-1, 0))  # (AttentionOptions.window: none, causal)
+# release of FUSED_DQ_MIN_KEYS (``fused_min_keys``), for a (head dim, mask) it lists ("causal" or
+# "none"), one query head a KV head, and a query row seeing on average at least that many keys
+# (below, the two kernels win: 0.92x at head dim 128 causal with 1k tokens). Under 3.8 the d128
+# causal kernel spills more (136 bytes of stack against 3.9's 104) and ran 0.85-0.91x the two
+# kernels, while d128 without a mask ran 1.06-1.20x (stop 64); 3.6-3.7 lack the TMA reduction it
+# adds dQ by (fp32 atomics in its place ran 0.69-0.97x).
+FUSED_DQ_MIN_KEYS = {  # release -> (head dim, mask) -> keys a row
+    "3.9.": {(64, "none"): 512, (64, "causal"): 512, (128, "none"): 1024, (128, "causal"): 1024},
+    "3.8.": {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024},
+}
+PLAIN_MASKS = {(-1, -1): "none", (-1, 0): "causal"}  # AttentionOptions.window -> FUSED_DQ_MIN_KEYS' mask
 
 
 def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
@@ -87,15 +91,14 @@ def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted:
         return False
     if setting == "1":
         return True
-    min_keys = fused_min_keys()
-    return (head_dim in min_keys and options.window in PLAIN_MASKS and not options.variant & ~MASK_RIGHT
-            and tensors[0].shape[2] == tensors[1].shape[2]
-            and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= min_keys[head_dim])
+    min_keys = fused_min_keys().get((head_dim, PLAIN_MASKS.get(options.window)))
+    return (min_keys is not None and not options.variant & ~MASK_RIGHT and tensors[0].shape[2] == tensors[1].shape[2]
+            and mean_visible_keys(options, layout.seqlen_q, layout.seqlen_k) >= min_keys)
 
 
 def fused_min_keys() -> dict:
-    """The running Triton release's FUSED_DQ_MIN_KEYS (head dim -> keys a row), empty for a
-    release the default rule does not take."""
+    """The running Triton release's FUSED_DQ_MIN_KEYS ((head dim, mask) -> keys a row), empty for
+    a release the default rule does not take."""
     return next((by_head_dim for version, by_head_dim in FUSED_DQ_MIN_KEYS.items()
                  if triton.__version__.startswith(version)), {})
 
