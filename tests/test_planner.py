@@ -150,10 +150,10 @@ def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
 
 def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     """Hopper's backward in one kernel (hopper_route.fused_chosen): by default under the Triton
-    releases, head dims and masks of FUSED_DQ_MIN_KEYS (3.9: d64, d128; 3.8: d64, d128 unmasked), one
-    query head a KV head, from that many keys a row on average; FLASH_ATTENTION_FUSED_DQ=1 wherever
-    the kernel can take it (never with dropout, determinism, another head dim, an override, or a
-    Triton without the TMA reduction), 0 never. Its plan: one launch function for both passes, the
+    releases, head dims and masks of FUSED_DQ_MIN_KEYS (3.9: d64, d128; 3.8: d64, d128 unmasked;
+    3.6-3.7: d64), one query head a KV head, from that many keys a row on average;
+    FLASH_ATTENTION_FUSED_DQ=1 wherever the kernel can take it (never with dropout, determinism,
+    another head dim, an override, or a Triton whose Gluon cannot build it), 0 never. Its plan: one launch function for both passes, the
     package's preprocess, GLUON_FUSED_STAGES."""
     route, planner, configs = kernels.hopper_route, kernels.planner, kernels.configs
     launchers = {"fused": lambda *args: "fused"}
@@ -183,7 +183,10 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     monkeypatch.setattr(route.triton, "__version__", "3.8.0")  # (d128 causal spills more under 3.8 and lost)
     assert not fused() and fused(64, 2048) and not fused(64, 1024)
     assert fused(seqlen=1024, causal=False) and not fused(seqlen=512, causal=False)
-    monkeypatch.setattr(route.triton, "__version__", "3.7.1")
+    for release in ("3.7.1", "3.6.0"):  # (dQ by vector reductions: d128 spills, d64 only)
+        monkeypatch.setattr(route.triton, "__version__", release)
+        assert not fused() and not fused(seqlen=2048, causal=False) and fused(64, 2048) and not fused(64, 1024)
+    monkeypatch.setattr(route.triton, "__version__", "3.5.1")
     assert not fused() and not fused(64, 2048)
     monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "1")  # wherever the kernel can take the call
     for options in (dict(softcap=20.0), dict(window_left=512), dict(sinks=sinks), dict(heads_kv=1), dict(seqlen=256),
@@ -197,7 +200,7 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     assert not fused()
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
     assert fused()
-    launchers["fused"] = None  # (a Triton whose Gluon has no TMA reduction: fused_launcher)
+    launchers["fused"] = None  # (a Triton whose Gluon cannot build the kernel: fused_launcher)
     assert not fused()
     launchers["fused"] = lambda *args: "fused"
     monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "0")

@@ -28,7 +28,8 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   then forms half of dQ's columns over the program's 128 keys, at 64 the warpgroups take whole
   tiles in turn; the partial dQ goes through a swizzled fp32 staging buffer to the zeroed fp32
   accumulator by TMA reductions (``tma.async_atomic_add``, Triton 3.8 on; two boxes of 32 columns,
-  DQ_STAGE_LAYOUT). Both warpgroups then visit every query tile the program streams (a tile one
+  DQ_STAGE_LAYOUT), or before 3.8 by 16-byte vector reductions read back from that buffer
+  (``_reduce_box``). Both warpgroups then visit every query tile the program streams (a tile one
   of them does not see contributes zeros), since each needs the other's dS^T
   (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel).
 
@@ -60,9 +61,10 @@ from .direct_launch import launcher
 from .launch import RowGeometry, SequenceLayout
 from .options import AttentionOptions
 
-# TMA's reduction into global memory, which the fused dQ adds by: Triton 3.8 on (None before; the
-# route then keeps the two kernels, hopper_route.fused_launcher)
+# TMA's reduction into global memory, which the fused dQ adds by from Triton 3.8 on; before, Gluon
+# has none and the staged rows go to the accumulator by vector reductions (``_reduce_box``)
 tma_atomic_add = getattr(tma, "async_atomic_add", None)
+DQ_BY_TMA = gl.constexpr(tma_atomic_add is not None)
 
 # query rows per ring buffer (the wgmma N of S^T, K of dV and dK), keys per consumer warpgroup (the wgmma M of S^T)
 # The ring depth is the launch's (configs.GLUON_STAGES, GLUON_WINDOW_STAGES)
@@ -87,18 +89,19 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
-    dq_desc, dq_geometry = None, (0, 0, 0)
+    dq_target, dq_geometry = None, (0, 0, 0, 0)
     if dq_accum is not None:
         # (contiguous fp32 in q's shape: rows of heads * head_dim, in boxes of DQ_BOX_COLUMNS; one
         # consumer warpgroup adds 64 columns of a tile's dQ, half of head dim 128, all of 64)
         assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
         g = RowGeometry.of(dq_accum, layout)
-        dq_desc = flat_descriptor(dq_accum, (g.num_rows, g.stride_row), (rows, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
-        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
+        dq_target = dq_accum if not DQ_BY_TMA else flat_descriptor(
+            dq_accum, (g.num_rows, g.stride_row), (rows, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
+        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols, g.stride_row)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_desc, *dq_geometry,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_target, *dq_geometry,
         GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, FUSED_DQ=dq_accum is not None,
         num_warps=4,
     )
@@ -206,16 +209,16 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     """With this tile's dV and dK products in flight, add its dQ = dS K for the tile's 64 query
     rows, times softmax_scale, into dq_accum. Both warpgroups put their dS^T (keys by rows) in
     shared memory; dQ is formed over all 128 keys of the program from there, staged in shared
-    memory and added by a TMA reduction. At head dim 128
+    memory and added by reductions (``_add_dq``). At head dim 128
     each warpgroup forms half of dQ's columns once both dS^T are in (FlashAttention-3's split);
     at 64, whose 64-column K tiles cannot be split at a 128-byte swizzle boundary, the
     warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
     waits for the other's dS^T.
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
     warpgroups' keys, dq_stage [4, ROWS, DQ_BOX] fp32: (warpgroup, box), ds_ready and ds_free
-    [2, 1] mbarriers, dq_desc, softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in
+    [2, 1] mbarriers, dq_target, softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in
     dq_accum's rows."""
-    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_desc, softmax_scale = fused
+    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_target, softmax_scale = fused
     dq_row, dq_col = dq_at
     WIDTH: gl.constexpr = 2 * dq_stage.shape[2]  # (dQ columns one warpgroup forms: two boxes)
     SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
@@ -233,14 +236,14 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
         dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
         mbarrier.arrive(ds_free.index(parity), count=1)
         ring.release(i)
-        _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_desc, dq_row, dq_col + WG * WIDTH)
+        _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_target, dq_row, dq_col + WG * WIDTH)
     else:
         if parity == WG:  # (this warpgroup's turn)
             mbarrier.wait(ds_ready.index(parity), phase)
             acc = _dq_product(ds_bufs, k_all, parity, 0, WIDTH)
             dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
             mbarrier.arrive(ds_free.index(parity), count=1)
-            _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_desc, dq_row, dq_col)
+            _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_target, dq_row, dq_col)
         else:
             dk0, dv0 = warpgroup_mma_wait(0, deps=(dk[0], dv[0]))
         ring.release(i)
@@ -269,18 +272,52 @@ def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
                          acc, is_async=True)
 
 @gluon.jit
-def _add_dq(dq, stages, first, dq_desc, row, col):
-    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows (``dq_desc``) by
-    two TMA reductions, one a box, from ``stages`` first and first + 1. (The accumulator layout
-    holds each column's bit 5 in registers, so the split into boxes moves no data.)"""
+def _add_dq(dq, stages, first, dq_target, row, col):
+    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows, staged as two
+    boxes in ``stages`` first and first + 1. (The accumulator layout holds each column's bit 5 in
+    registers, so the split into boxes moves no data.) DQ_BY_TMA: by two TMA reductions, one a box,
+    ``dq_target`` the accumulator's descriptor; else (before Triton 3.8) ``_reduce_box``'s vector
+    reductions, ``dq_target`` = (the accumulator's address, its row stride)."""
     BOX: gl.constexpr = stages.shape[2]
     left, right = dq.reshape([ROWS, 2, BOX]).permute((0, 2, 1)).split()
-    tma.store_wait(0)  # (the last reductions have read the staging buffers)
+    if DQ_BY_TMA:
+        tma.store_wait(0)  # (the last reductions have read the staging buffers)
     stages.index(first).store(left)
     stages.index(first + 1).store(right)
-    fence_async_shared()
-    tma_atomic_add(dq_desc, [row, col], stages.index(first))
-    tma_atomic_add(dq_desc, [row, col + BOX], stages.index(first + 1))
+    if DQ_BY_TMA:
+        fence_async_shared()
+        tma_atomic_add(dq_target, [row, col], stages.index(first))
+        tma_atomic_add(dq_target, [row, col + BOX], stages.index(first + 1))
+    else:
+        _reduce_box(stages.index(first), dq_target, row, col)
+        _reduce_box(stages.index(first + 1), dq_target, row, col + BOX)
+
+
+@gluon.constexpr_function
+def _box_rows_layout(width):
+    """[64, width] fp32 boxes over a warpgroup, 4 elements (16 bytes) per thread and access, a
+    warp's 8 (width 32) threads across a row's 128 bytes."""
+    return gl.BlockedLayout([1, 4], [32 // (width // 4), width // 4], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _reduce_box(stage, dq_target, row, col):
+    """Add the fp32 box staged in ``stage`` [ROWS, BOX] at (row, col) of the accumulator's rows
+    (``dq_target`` = (address, row stride)), each thread 16 bytes a reduction
+    (red.global.add.v4.f32, sm_90): Gluon before Triton 3.8 has no TMA reduction, and Triton's
+    atomic_add issues one 4-byte reduction per element (0.69-0.97x the two kernels that way,
+    docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)."""
+    accumulator, stride_row = dq_target
+    BOX: gl.constexpr = stage.shape[1]
+    layout: gl.constexpr = _box_rows_layout(BOX)
+    block = stage.load(layout)
+    rows = row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, BOX, gl.SliceLayout(0, layout))
+    addresses = accumulator + (rows.to(gl.int64)[:, None] * stride_row + cols[None, :])
+    # (pack=4: each call takes a thread's 4 consecutive columns; the first address is theirs)
+    gl.inline_asm_elementwise("red.global.add.v4.f32 [$1], {$5, $6, $7, $8};\n mov.b32 $0, 0;",
+                              "=r,l,l,l,l,r,r,r,r", [addresses.to(gl.int64, bitcast=True), block], dtype=gl.int8,
+                              is_pure=False, pack=4)
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
@@ -358,14 +395,15 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
                  AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
-                 dq_desc, dq_batch_rows, dq_head_rows, dq_head_cols,
+                 dq_target, dq_batch_rows, dq_head_rows, dq_head_cols, dq_stride_row,
                  GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
     ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs. With FUSED_DQ,
-    dq_desc is the fp32 accumulator's (``attention_dkdv``) and the dq_ geometry its rows'
-    (``launch.RowGeometry``); else None and zeros."""
+    dq_target is the fp32 accumulator's descriptor (DQ_BY_TMA) or the accumulator itself
+    (``attention_dkdv``) and the dq_ geometry its rows' (``launch.RowGeometry``); else None and
+    zeros."""
     start_key = gl.program_id(0) * (2 * KEYS)
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -402,7 +440,9 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
         for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)
             mbarrier.init(ds_ready.index(b), count=2)
             mbarrier.init(ds_free.index(b), count=2 if k_smem[0].shape[2] == 2 * KEYS else 1)
-        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_desc, softmax_scale)
+        if not DQ_BY_TMA:
+            dq_target = (dq_target, dq_stride_row)
+        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_target, softmax_scale)
     dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([

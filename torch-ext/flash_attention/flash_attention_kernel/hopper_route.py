@@ -63,13 +63,16 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # H200 measured it faster (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel): under a Triton
 # release of FUSED_DQ_MIN_KEYS (``fused_min_keys``), for a (head dim, mask) it lists ("causal" or
 # "none"), one query head a KV head, and a query row seeing on average at least that many keys
-# (below, the two kernels win: 0.92x at head dim 128 causal with 1k tokens). Under 3.8 the d128
-# causal kernel spills more (136 bytes of stack against 3.9's 104) and ran 0.85-0.91x the two
-# kernels, while d128 without a mask ran 1.06-1.20x (stop 64); 3.6-3.7 lack the TMA reduction it
-# adds dQ by (fp32 atomics in its place ran 0.69-0.97x).
+# (below, the two kernels win: 0.92x at head dim 128 causal with 1k tokens). 3.8 and 3.9 add dQ by
+# TMA reductions; under 3.8 the d128 causal kernel spills more (136 bytes of stack against 3.9's
+# 104) and ran 0.85-0.91x the two kernels, while d128 without a mask ran 1.06-1.20x (stop 64).
+# 3.6 and 3.7 add it by vector reductions (hopper_dkdv._reduce_box): d64 1.04-1.11x the two kernels
+# from 1024 keys a row, d128 0.70-0.99x (168 bytes of stack causal), so d64 only (stop 64).
 FUSED_DQ_MIN_KEYS = {  # release -> (head dim, mask) -> keys a row
     "3.9.": {(64, "none"): 512, (64, "causal"): 512, (128, "none"): 1024, (128, "causal"): 1024},
     "3.8.": {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024},
+    "3.7.": {(64, "none"): 1024, (64, "causal"): 1024},
+    "3.6.": {(64, "none"): 1024, (64, "causal"): 1024},
 }
 PLAIN_MASKS = {(-1, -1): "none", (-1, 0): "causal"}  # AttentionOptions.window -> FUSED_DQ_MIN_KEYS' mask
 
@@ -105,10 +108,9 @@ def fused_min_keys() -> dict:
 
 def fused_launcher():
     """The fused backward's launch function (``hopper_dkdv.attention_dkdv_dq``), its module
-    imported on first use; None where the installed Triton's Gluon cannot build it or has no TMA
-    reduction (before 3.8)."""
+    imported on first use; None where the installed Triton's Gluon cannot build it."""
     module = load_kernel_module("hopper_dkdv")
-    return module.attention_dkdv_dq if module is not None and module.tma_atomic_add is not None else None
+    return module.attention_dkdv_dq if module is not None else None
 
 
 def chosen(kernel: str, options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
