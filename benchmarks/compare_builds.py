@@ -6,8 +6,10 @@ build folder, e.g. of the last landed commit: ``git worktree add /tmp/base <rev>
 ``python /tmp/base/scripts/build_variants.py --out ...``) through kernels.get_local_kernel, and
 times flash_attn_func forward and backward (bf16, 16k tokens, hidden 2048, (B, N, H, d) layout):
 by default at head dims 64/128, N 1k/4k/16k, causal and not; ``--points`` picks others. Each point
-runs ``--rounds`` interleaved rounds (medians of triton.testing.do_bench medians); ``--cudnn`` adds
-SDPA's cuDNN backend in the same rounds as a column. FLOPs as bench_flash_attention.py counts them.
+runs ``--rounds`` interleaved rounds, alternately in one order and the other (medians of
+triton.testing.do_bench medians; in one round the build timed first ran up to 7 % faster than
+the same build timed second, H200); ``--cudnn`` adds SDPA's cuDNN backend in the same rounds as a
+column. FLOPs as bench_flash_attention.py counts them.
 
 Before timing, each point checks that the builds agree: ``max|new-other|``, the largest difference
 of the outputs (forward) or of dq, dk, dv (backward), over the largest magnitude of the other
@@ -84,9 +86,9 @@ def main():
                 fns = {name: step(call, q, k, v, direction) for name, call in calls.items()}
                 agree = difference(fns["new"](), fns["other"]())
                 runs = {name: [] for name in fns}
-                for _ in range(args.rounds):
-                    for name, fn in fns.items():
-                        runs[name].append(tflops(fn, q, causal, direction))
+                for round_ in range(args.rounds):  # (each round in the other order: the first timed can gain)
+                    for name in list(fns)[::-1 if round_ % 2 else 1]:
+                        runs[name].append(tflops(fns[name], q, causal, direction))
             rate = {name: statistics.median(values) for name, values in runs.items()}
             line = (f"{head_dim:>4} {seqlen:>6} {str(causal):>6} {direction:>4} {rate['new']:7.1f} {rate['other']:7.1f} "
                     f"{rate['new'] / rate['other']:9.3f}")
