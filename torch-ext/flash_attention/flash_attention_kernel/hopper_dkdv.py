@@ -312,9 +312,10 @@ def _reduce_box(stage, dq_target, row, col):
     layout: gl.constexpr = _box_rows_layout(BOX)
     block = stage.load(layout)
     rows = row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, BOX, gl.SliceLayout(0, layout))
+    # (each call takes a thread's 4 consecutive columns, pack=4, and reads its first address: the
+    # 4 elements of a call are given that one address, held once, not 4 of which 3 go unread)
+    cols = col + gl.arange(0, BOX, gl.SliceLayout(0, layout)) // 4 * 4
     addresses = accumulator + (rows.to(gl.int64)[:, None] * stride_row + cols[None, :])
-    # (pack=4: each call takes a thread's 4 consecutive columns; the first address is theirs)
     gl.inline_asm_elementwise("red.global.add.v4.f32 [$1], {$5, $6, $7, $8};\n mov.b32 $0, 0;",
                               "=r,l,l,l,l,r,r,r,r", [addresses.to(gl.int64, bitcast=True), block], dtype=gl.int8,
                               is_pure=False, pack=4)
