@@ -15,7 +15,7 @@ checks in a fresh process:
   (``benchmarks/resource_report.py --table sm80 sm90 --as-run``): forward, dQ, dK/dV, KV cache;
 * gluon: the Gluon kernels' sm_90 and sm_80 compile tests (``tests/test_hopper_*.py``,
   ``test_ampere_backward.py``, ``-k compiles``) under the releases of ``GLUON_FROM`` on: some
-  kernels need a later release (the fused dQ's TMA reduction, 3.8) and skip under earlier ones;
+  kernels need a later release and skip under earlier ones;
 * run: a small correctness run of the test suite through the CPU interpreter (TRITON_INTERPRET=1;
   the interpreter runs the kernels from Triton 3.6 on; older ones are covered by compile only).
 
