@@ -153,8 +153,8 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     releases, head dims and masks of FUSED_DQ_MIN_KEYS (3.9: d64, d128; 3.8: d64, d128 unmasked;
     3.6-3.7: d64), one query head a KV head, from that many keys a row on average;
     FLASH_ATTENTION_FUSED_DQ=1 wherever the kernel can take it (never with dropout, determinism,
-    another head dim, an override, or a Triton whose Gluon cannot build it), 0 never. Its plan: one launch function for both passes, the
-    package's preprocess, GLUON_FUSED_STAGES."""
+    another head dim, an override, or a Triton whose Gluon cannot build it), 0 never. Its plan:
+    one launch function for both passes, the package's preprocess, GLUON_FUSED_STAGES."""
     route, planner, configs = kernels.hopper_route, kernels.planner, kernels.configs
     launchers = {"fused": lambda *args: "fused"}
     monkeypatch.setattr(route, "fused_launcher", lambda: launchers["fused"])
