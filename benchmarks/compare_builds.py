@@ -90,8 +90,8 @@ def main():
                     for name in list(fns)[::-1 if round_ % 2 else 1]:
                         runs[name].append(tflops(fns[name], q, causal, direction))
             rate = {name: statistics.median(values) for name, values in runs.items()}
-            line = (f"{head_dim:>4} {seqlen:>6} {str(causal):>6} {direction:>4} {rate['new']:7.1f} {rate['other']:7.1f} "
-                    f"{rate['new'] / rate['other']:9.3f}")
+            line = (f"{head_dim:>4} {seqlen:>6} {str(causal):>6} {direction:>4} "
+                    f"{rate['new']:7.1f} {rate['other']:7.1f} {rate['new'] / rate['other']:9.3f}")
             if args.cudnn:
                 line += f" {rate['cudnn']:7.1f} {rate['new'] / rate['cudnn']:9.3f}"
             print(line + f" {agree:14.2e}", flush=True)
