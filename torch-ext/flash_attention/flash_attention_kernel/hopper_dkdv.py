@@ -53,8 +53,8 @@ from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, band_tiles,
     chunk_buffers, chunk_bytes, chunks_at, flat_descriptor, issue_into_chunks, issue_over_chunks, load_chunks,
-    make_ring, operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits,
-    tile_logits_grad, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
+    make_ring, operand_layout, option_arguments, release_unread, rows_layout, store_chunks, tile_arguments,
+    tile_logits, tile_logits_grad, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -293,13 +293,6 @@ def _add_dq(dq, stages, first, dq_target, row, col):
         _reduce_box(stages.index(first + 1), dq_target, row, col + BOX)
 
 
-@gluon.constexpr_function
-def _box_rows_layout(width):
-    """[64, width] fp32 boxes over a warpgroup, 4 elements (16 bytes) per thread and access, a
-    warp's 8 (width 32) threads across a row's 128 bytes."""
-    return gl.BlockedLayout([1, 4], [32 // (width // 4), width // 4], [4, 1], [1, 0])
-
-
 @gluon.jit
 def _reduce_box(stage, dq_target, row, col):
     """Add the fp32 box staged in ``stage`` [ROWS, BOX] at (row, col) of the accumulator's rows
@@ -309,7 +302,7 @@ def _reduce_box(stage, dq_target, row, col):
     docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)."""
     accumulator, stride_row = dq_target
     BOX: gl.constexpr = stage.shape[1]
-    layout: gl.constexpr = _box_rows_layout(BOX)
+    layout: gl.constexpr = rows_layout(BOX, 4)  # (16-byte pieces; a box's row is 8 of them)
     block = stage.load(layout)
     rows = row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
     # (each call takes a thread's 4 consecutive columns, pack=4, and reads its first address: the

@@ -350,7 +350,7 @@ def store_chunks(base, first_row, stride_row, accs, scale, staging):
     """Store rows first_row.. of the chunks' accumulators ``accs`` at ``base`` + row * ``stride_row`` + column,
     each chunk at its columns of the head dim, through shared memory: each chunk times ``scale``, rounded to
     ``base``'s dtype, goes into ``staging`` (the warpgroup's own chunk buffers of the same shapes and dtype,
-    whose last reader has finished) and comes back in rows of 16-byte accesses (``_rows_layout``), so that each
+    whose last reader has finished) and comes back in rows of 16-byte accesses (``rows_layout``), so that each
     warp stores whole rows. Stored straight from the wgmma accumulator layout, each access holds 4 bytes and a
     warp's store touches 8 rows: the forward's epilogue took 2.8k cycles per program that way, about a key
     tile's time, and takes 0.9-1.1k this way at d128 on an H200
@@ -364,16 +364,17 @@ def store_chunks(base, first_row, stride_row, accs, scale, staging):
 def _store_block(base, first_row, stride_row, first_col, block, buffer):
     gl.static_assert(buffer.dtype == base.dtype.element_ty, "the staging buffers hold the output's dtype")
     buffer.store(block.to(base.dtype.element_ty))
-    layout: gl.constexpr = _rows_layout(block.shape[1])
+    layout: gl.constexpr = rows_layout(block.shape[1])
     pointers = _block_pointers(base, first_row, stride_row, first_col, block.shape[0], block.shape[1], layout)
     gl.store(pointers, buffer.load(layout))
 
 
 @gluon.constexpr_function
-def _rows_layout(width):
-    """[64, width] blocks over a warpgroup, 8 elements (16 bytes) per thread and access."""
-    across = min(width // 8, 32)
-    return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+def rows_layout(width, per_access=8):
+    """[64, width] blocks over a warpgroup, ``per_access`` elements per thread and access (16 bytes
+    of the 2-byte outputs by default; 4 of fp32), a warp's threads across whole rows."""
+    across = min(width // per_access, 32)
+    return gl.BlockedLayout([1, per_access], [32 // across, across], [4, 1], [1, 0])
 
 
 @gluon.jit
@@ -391,7 +392,7 @@ def load_rows(base, first_row, stride_row, blocks):
 
 @gluon.jit
 def _load_block(base, first_row, stride_row, first_col, like):
-    layout: gl.constexpr = _rows_layout(like.shape[1])
+    layout: gl.constexpr = rows_layout(like.shape[1])
     return gl.load(_block_pointers(base, first_row, stride_row, first_col, like.shape[0], like.shape[1], layout))
 
 
