@@ -102,7 +102,7 @@ def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted:
 def fused_min_keys() -> dict:
     """The running Triton release's FUSED_DQ_MIN_KEYS ((head dim, mask) -> keys a row), empty for
     a release the default rule does not take."""
-    return next((by_head_dim for version, by_head_dim in FUSED_DQ_MIN_KEYS.items()
+    return next((thresholds for version, thresholds in FUSED_DQ_MIN_KEYS.items()
                  if triton.__version__.startswith(version)), {})
 
 
