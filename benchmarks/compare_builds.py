@@ -9,7 +9,7 @@ by default at head dims 64/128, N 1k/4k/16k, causal and not; ``--points`` picks 
 runs ``--rounds`` interleaved rounds, alternately in one order and the other (medians of
 triton.testing.do_bench medians; in one round the build timed first ran up to 7 % faster than
 the same build timed second, H200); ``--cudnn`` adds SDPA's cuDNN backend in the same rounds as a
-column. FLOPs as bench_flash_attention.py counts them.
+column. FLOPs are bench_flash_attention.attention_flops'.
 
 Before timing, each point checks that the builds agree: ``max|new-other|``, the largest difference
 of the outputs (forward) or of dq, dk, dv (backward), over the largest magnitude of the other
@@ -29,13 +29,10 @@ import torch
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench_flash_attention import attention_flops  # (the FLOP count every benchmark here uses)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_POINTS = ",".join(f"{d}:{c}:{n}" for d in (64, 128) for n in (1024, 4096, 16384) for c in (0, 1))
-
-
-def flops(q, causal, direction):
-    batch, seqlen, heads, head_dim = q.shape
-    return 4 * batch * heads * seqlen ** 2 * head_dim / (2 if causal else 1) * (2.5 if direction == "bwd" else 1)
 
 
 def step(attention, q, k, v, direction):
@@ -50,7 +47,9 @@ def step(attention, q, k, v, direction):
 
 def tflops(fn, q, causal, direction):
     fn()
-    return flops(q, causal, direction) / triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-9
+    batch, seqlen, heads, head_dim = q.shape
+    flops = attention_flops(batch, heads, seqlen, head_dim, causal, direction)
+    return flops / triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-9
 
 
 def difference(new, other):
