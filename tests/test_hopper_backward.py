@@ -92,14 +92,11 @@ if kernel == "dkdv":
     arguments = dict(
         lse_desc=stats, delta_desc=stats, DK="*bf16", DV="*bf16",
         **{f"stride_{t}{s}": "i64" for t in ("dk", "dv") for s in ("b", "h", "n")},
-        seqlen_q="i32", diag="i32", num_heads="i32", dq_batch_rows="i32", dq_head_rows="i32", dq_head_cols="i32",
-        dq_stride_row="i32")
+        seqlen_q="i32", diag="i32", num_heads="i32", dq_batch_rows="i32", dq_head_rows="i32", dq_head_cols="i32")
     function = module._dkdv_kernel
     extra = dict(FUSED_DQ=fused)
-    if fused and module.DQ_BY_TMA:  # (the fp32 accumulator's boxes: 64 rows by DQ_BOX_COLUMNS, attention_dkdv)
+    if fused:  # (the fp32 accumulator's boxes: 64 rows by DQ_BOX_COLUMNS, attention_dkdv)
         arguments["dq_target"] = f"tensordesc<fp32[64, {module.DQ_BOX_COLUMNS}],{module.DQ_STAGE_LAYOUT!r}>"
-    elif fused:  # (before Triton 3.8: the accumulator itself, added to by vector reductions)
-        arguments["dq_target"] = "*fp32"
     else:
         extra["dq_target"] = None
 else:
@@ -154,9 +151,8 @@ def _assert_kernel_compiles(fa, kernel, head_dim, group, options):
 ], ids=["d128-causal", "d128-plain", "d64-causal", "d64-gqa", "d128-gqa-window-softcap-alibi"])
 def test_fused_dq_compiles_for_hopper(fa, head_dim, group, options):
     """The dK/dV kernel with FUSED_DQ compiles to an sm_90 cubin within 227 KB, its wgmmas
-    pipelined: dQ added by TMA reductions from Triton 3.8 on, by vector reductions before (on the
-    CPU, ``scripts/triton_matrix.py --checks gluon 3.6.0 3.8.0 3.9.0`` runs it under those,
-    docs/testing.md)."""
+    pipelined, dQ added by TMA reductions (on the CPU, ``scripts/triton_matrix.py --checks gluon
+    3.6.0 3.8.0 3.9.0`` runs it under those, docs/testing.md)."""
     _assert_kernel_compiles(fa, "dkdv_fused", head_dim, group, options)
 
 
@@ -243,11 +239,10 @@ FUSED_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", 
 @pytest.mark.parametrize("options", [{}, dict(softcap=8.0), dict(window_size=(100, 37))], ids=["plain", "softcap", "window"])
 @pytest.mark.parametrize("name, make, causal, taken", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
 def test_fused_dq(fa, monkeypatch, name, make, causal, taken, options):
-    """The backward in one kernel (hopper_dkdv's FUSED_DQ: dQ added by TMA reductions from Triton 3.8
-    on, by vector reductions before),
-    forced by FLASH_ATTENTION_FUSED_DQ=1 beyond the calls its default rule gives it (GQA groups,
-    causal rows above and below the keys, a bhsd view, packed qkv, softcap, window), meets the
-    float64 bar wherever the dK/dV kernel takes the call."""
+    """The backward in one kernel (hopper_dkdv's FUSED_DQ: dQ added by TMA reductions), forced by
+    FLASH_ATTENTION_FUSED_DQ=1 beyond the calls its default rule gives it (GQA groups, causal rows
+    above and below the keys, a bhsd view, packed qkv, softcap, window), meets the float64 bar
+    wherever the dK/dV kernel takes the call."""
     kernels = fa.flash_attention_kernel
     if kernels.hopper_route.fused_launcher() is None:
         pytest.skip(f"Triton {triton.__version__}'s Gluon cannot build the Hopper kernels")

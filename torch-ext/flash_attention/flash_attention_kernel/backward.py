@@ -32,7 +32,7 @@ the gradients are
   take one fused kernel for both passes, ``ampere_backward`` (dQ added to an fp32 accumulator by
   atomics), between the preprocess kernel (delta, and the accumulator zeroed: ``ZERO_DQ``) and
   ``_dq_from_accumulator_kernel``; on Hopper the Gluon dK/dV kernel can take that place where
-  ``hopper_route.fused_chosen`` says so (dQ added by TMA or vector reductions, ``hopper_dkdv``).
+  ``hopper_route.fused_chosen`` says so (dQ added by TMA reductions, ``hopper_dkdv``).
 
 Dense and varlen (IS_VARLEN) batches share these kernels, as in the forward. Both kernels visit only
 the tiles the causal and window masks leave visible (``scores.key_tile_ranges`` /

@@ -27,9 +27,8 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   warpgroup puts its dS^T in shared memory (double-buffered by tile parity); at head dim 128 each
   then forms half of dQ's columns over the program's 128 keys, at 64 the warpgroups take whole
   tiles in turn; the partial dQ goes through a swizzled fp32 staging buffer to the zeroed fp32
-  accumulator by TMA reductions (``tma.async_atomic_add``, Triton 3.8 on; two boxes of 32 columns,
-  DQ_STAGE_LAYOUT), or before 3.8 by 16-byte vector reductions read back from that buffer
-  (``_reduce_box``). Both warpgroups then visit every query tile the program streams (a tile one
+  accumulator by TMA reductions (``hopper_gluon.tma_atomic_add``; two boxes of 32 columns,
+  DQ_STAGE_LAYOUT). Both warpgroups then visit every query tile the program streams (a tile one
   of them does not see contributes zeros), since each needs the other's dS^T
   (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel).
 
@@ -53,18 +52,13 @@ from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, band_tiles,
     chunk_buffers, chunk_bytes, chunks_at, flat_descriptor, issue_into_chunks, issue_over_chunks, load_chunks,
-    make_ring, operand_layout, option_arguments, release_unread, rows_layout, store_chunks, tile_arguments,
-    tile_logits, tile_logits_grad, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
+    make_ring, operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits,
+    tile_logits_grad, tma_atomic_add, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
 from .launch import RowGeometry, SequenceLayout
 from .options import AttentionOptions
-
-# TMA's reduction into global memory, which the fused dQ adds by from Triton 3.8 on; before, Gluon
-# has none and the staged rows go to the accumulator by vector reductions (``_reduce_box``)
-tma_atomic_add = getattr(tma, "async_atomic_add", None)
-DQ_BY_TMA = gl.constexpr(tma_atomic_add is not None)
 
 # query rows per ring buffer (the wgmma N of S^T, K of dV and dK), keys per consumer warpgroup (the wgmma M of S^T)
 # The ring depth is the launch's (configs.GLUON_STAGES, GLUON_WINDOW_STAGES)
@@ -89,15 +83,14 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
-    dq_target, dq_geometry = None, (0, 0, 0, 0)
+    dq_target, dq_geometry = None, (0, 0, 0)
     if dq_accum is not None:
         # (contiguous fp32 in q's shape: rows of heads * head_dim, in boxes of DQ_BOX_COLUMNS; one
         # consumer warpgroup adds 64 columns of a tile's dQ, half of head dim 128, all of 64)
         assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
         g = RowGeometry.of(dq_accum, layout)
-        dq_target = dq_accum if not DQ_BY_TMA else flat_descriptor(
-            dq_accum, (g.num_rows, g.stride_row), (rows, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
-        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols, g.stride_row)
+        dq_target = flat_descriptor(dq_accum, (g.num_rows, g.stride_row), (rows, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
+        dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
@@ -273,45 +266,18 @@ def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
 
 @gluon.jit
 def _add_dq(dq, stages, first, dq_target, row, col):
-    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows, staged as two
-    boxes in ``stages`` first and first + 1. (The accumulator layout holds each column's bit 5 in
-    registers, so the split into boxes moves no data.) DQ_BY_TMA: by two TMA reductions, one a box,
-    ``dq_target`` the accumulator's descriptor; else (before Triton 3.8) ``_reduce_box``'s vector
-    reductions, ``dq_target`` = (the accumulator's address, its row stride)."""
+    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows (``dq_target``:
+    its descriptor), staged as two boxes in ``stages`` first and first + 1, by two TMA reductions,
+    one a box. (The accumulator layout holds each column's bit 5 in registers, so the split into
+    boxes moves no data.)"""
     BOX: gl.constexpr = stages.shape[2]
     left, right = dq.reshape([ROWS, 2, BOX]).permute((0, 2, 1)).split()
-    if DQ_BY_TMA:
-        tma.store_wait(0)  # (the last reductions have read the staging buffers)
+    tma.store_wait(0)  # (the last reductions have read the staging buffers)
     stages.index(first).store(left)
     stages.index(first + 1).store(right)
-    if DQ_BY_TMA:
-        fence_async_shared()
-        tma_atomic_add(dq_target, [row, col], stages.index(first))
-        tma_atomic_add(dq_target, [row, col + BOX], stages.index(first + 1))
-    else:
-        _reduce_box(stages.index(first), dq_target, row, col)
-        _reduce_box(stages.index(first + 1), dq_target, row, col + BOX)
-
-
-@gluon.jit
-def _reduce_box(stage, dq_target, row, col):
-    """Add the fp32 box staged in ``stage`` [ROWS, BOX] at (row, col) of the accumulator's rows
-    (``dq_target`` = (address, row stride)), each thread 16 bytes a reduction
-    (red.global.add.v4.f32, sm_90): Gluon before Triton 3.8 has no TMA reduction, and Triton's
-    atomic_add issues one 4-byte reduction per element (0.69-0.97x the two kernels that way,
-    docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)."""
-    accumulator, stride_row = dq_target
-    BOX: gl.constexpr = stage.shape[1]
-    layout: gl.constexpr = rows_layout(BOX, 4)  # (16-byte pieces; a box's row is 8 of them)
-    block = stage.load(layout)
-    rows = row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
-    # (each call takes a thread's 4 consecutive columns, pack=4, and reads its first address: the
-    # 4 elements of a call are given that one address, held once, not 4 of which 3 go unread)
-    cols = col + gl.arange(0, BOX, gl.SliceLayout(0, layout)) // 4 * 4
-    addresses = accumulator + (rows.to(gl.int64)[:, None] * stride_row + cols[None, :])
-    gl.inline_asm_elementwise("red.global.add.v4.f32 [$1], {$5, $6, $7, $8};\n mov.b32 $0, 0;",
-                              "=r,l,l,l,l,r,r,r,r", [addresses.to(gl.int64, bitcast=True), block], dtype=gl.int8,
-                              is_pure=False, pack=4)
+    fence_async_shared()
+    tma_atomic_add(dq_target, [row, col], stages.index(first))
+    tma_atomic_add(dq_target, [row, col + BOX], stages.index(first + 1))
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
@@ -389,15 +355,14 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
                  AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
-                 dq_target, dq_batch_rows, dq_head_rows, dq_head_cols, dq_stride_row,
+                 dq_target, dq_batch_rows, dq_head_rows, dq_head_cols,
                  GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
     ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs. With FUSED_DQ,
-    dq_target is the fp32 accumulator's descriptor (DQ_BY_TMA) or the accumulator itself
-    (``attention_dkdv``) and the dq_ geometry its rows' (``launch.RowGeometry``); else None and
-    zeros."""
+    dq_target is the fp32 accumulator's descriptor (``attention_dkdv``) and the dq_ geometry its
+    rows' (``launch.RowGeometry``); else None and zeros."""
     start_key = gl.program_id(0) * (2 * KEYS)
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -434,8 +399,6 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
         for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)
             mbarrier.init(ds_ready.index(b), count=2)
             mbarrier.init(ds_free.index(b), count=2 if k_smem[0].shape[2] == 2 * KEYS else 1)
-        if not DQ_BY_TMA:
-            dq_target = (dq_target, dq_stride_row)
         fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_target, softmax_scale)
     dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)

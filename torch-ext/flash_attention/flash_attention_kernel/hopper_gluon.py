@@ -51,7 +51,9 @@ import math
 
 import torch
 from triton.experimental import gluon
+from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate  # (gluon.aggregate from Triton 3.9 on: the same)
@@ -156,6 +158,19 @@ def option_arguments(options: AttentionOptions, stand_in: torch.Tensor) -> tuple
 
 # TMA's global-to-shared copy under its name in this release
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduction of a shared-memory tile into global memory (add): ``tma.async_atomic_add``
+    as Triton 3.8 defines it, for 3.6 and 3.7, whose Gluon has the op in its builder (the one tl's
+    descriptor ``atomic_add`` lowers through) but no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+# TMA's reduction into global memory under its name in this release (``_tma_reduce_add`` before 3.8)
+tma_atomic_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add
 
 # the rules the tl kernels share (rules.py: the band's tile ranges, tanh.approx, Philox's rounds), compiled for Gluon
 _SHARED = rules.instantiate(gl, gluon.jit)
@@ -350,7 +365,7 @@ def store_chunks(base, first_row, stride_row, accs, scale, staging):
     """Store rows first_row.. of the chunks' accumulators ``accs`` at ``base`` + row * ``stride_row`` + column,
     each chunk at its columns of the head dim, through shared memory: each chunk times ``scale``, rounded to
     ``base``'s dtype, goes into ``staging`` (the warpgroup's own chunk buffers of the same shapes and dtype,
-    whose last reader has finished) and comes back in rows of 16-byte accesses (``rows_layout``), so that each
+    whose last reader has finished) and comes back in rows of 16-byte accesses (``_rows_layout``), so that each
     warp stores whole rows. Stored straight from the wgmma accumulator layout, each access holds 4 bytes and a
     warp's store touches 8 rows: the forward's epilogue took 2.8k cycles per program that way, about a key
     tile's time, and takes 0.9-1.1k this way at d128 on an H200
@@ -364,17 +379,16 @@ def store_chunks(base, first_row, stride_row, accs, scale, staging):
 def _store_block(base, first_row, stride_row, first_col, block, buffer):
     gl.static_assert(buffer.dtype == base.dtype.element_ty, "the staging buffers hold the output's dtype")
     buffer.store(block.to(base.dtype.element_ty))
-    layout: gl.constexpr = rows_layout(block.shape[1])
+    layout: gl.constexpr = _rows_layout(block.shape[1])
     pointers = _block_pointers(base, first_row, stride_row, first_col, block.shape[0], block.shape[1], layout)
     gl.store(pointers, buffer.load(layout))
 
 
 @gluon.constexpr_function
-def rows_layout(width, per_access=8):
-    """[64, width] blocks over a warpgroup, ``per_access`` elements per thread and access (16 bytes
-    of the 2-byte outputs by default; 4 of fp32), a warp's threads across whole rows."""
-    across = min(width // per_access, 32)
-    return gl.BlockedLayout([1, per_access], [32 // across, across], [4, 1], [1, 0])
+def _rows_layout(width):
+    """[64, width] blocks over a warpgroup, 8 elements (16 bytes) per thread and access."""
+    across = min(width // 8, 32)
+    return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
 
 
 @gluon.jit
@@ -392,7 +406,7 @@ def load_rows(base, first_row, stride_row, blocks):
 
 @gluon.jit
 def _load_block(base, first_row, stride_row, first_col, like):
-    layout: gl.constexpr = rows_layout(like.shape[1])
+    layout: gl.constexpr = _rows_layout(like.shape[1])
     return gl.load(_block_pointers(base, first_row, stride_row, first_col, like.shape[0], like.shape[1], layout))
 
 

@@ -63,16 +63,16 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # H200 measured it faster (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel): under a Triton
 # release of FUSED_DQ_MIN_KEYS (``fused_min_keys``), for a (head dim, mask) it lists ("causal" or
 # "none"), one query head a KV head, and a query row seeing on average at least that many keys
-# (below, the two kernels win: 0.92x at head dim 128 causal with 1k tokens). 3.8 and 3.9 add dQ by
-# TMA reductions; under 3.8 the d128 causal kernel spills more (136 bytes of stack against 3.9's
-# 104) and ran 0.85-0.91x the two kernels, while d128 without a mask ran 1.06-1.20x (stop 64).
-# 3.6 and 3.7 add it by vector reductions (hopper_dkdv._reduce_box): d64 1.04-1.11x the two kernels
-# from 1024 keys a row, d128 0.70-0.99x (168 bytes of stack causal), so d64 only (stop 64).
+# (below, the two kernels win: 0.92x at head dim 128 causal with 1k tokens). Every release adds dQ
+# by TMA reductions (3.6 and 3.7 through hopper_gluon._tma_reduce_add). Under 3.6-3.8 the d128
+# causal kernel spills more (136-144 bytes of stack against 3.9's 104) and ran 0.79-0.91x the two
+# kernels, while d128 without a mask ran 1.06-1.20x (stops 64-65).
+_BEFORE_3_9 = {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024}
 FUSED_DQ_MIN_KEYS = {  # release -> (head dim, mask) -> keys a row
     "3.9.": {(64, "none"): 512, (64, "causal"): 512, (128, "none"): 1024, (128, "causal"): 1024},
-    "3.8.": {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024},
-    "3.7.": {(64, "none"): 1024, (64, "causal"): 1024},
-    "3.6.": {(64, "none"): 1024, (64, "causal"): 1024},
+    "3.8.": _BEFORE_3_9,
+    "3.7.": _BEFORE_3_9,
+    "3.6.": _BEFORE_3_9,
 }
 PLAIN_MASKS = {(-1, -1): "none", (-1, 0): "causal"}  # AttentionOptions.window -> FUSED_DQ_MIN_KEYS' mask
 

@@ -14,7 +14,7 @@ kernel (forward.py, backward.py: every GPU and the CPU interpreter) or, on Hoppe
 * on the A100 class, the backward of a dense bf16/fp16 call at head dim 64 or 128, causal or not, in
   full tiles, that does not ask for determinism: one Gluon kernel for both passes, dQ by atomics
   (``ampere_route.chosen``, ``ampere_backward``; ``BackwardPlan.fused``). On Hopper the Gluon
-  dK/dV kernel can add dQ itself by TMA or vector reductions (``hopper_route.fused_chosen``,
+  dK/dV kernel can add dQ itself by TMA reductions (``hopper_route.fused_chosen``,
   ``hopper_dkdv.attention_dkdv_dq``), planned the same way.
 * delta (rowsum(dO * O) - dlse, which both backward kernels read): fp32 inputs make it in the tl
   dQ kernel's first pass (``DELTA_FP32_PASS``, PyTorch's form from P and dP); a plain dense tl dQ
