@@ -42,8 +42,10 @@ already shaped to broadcast. tests/test_logits_rule.py checks these forms, and s
 against one host statement of the rule (``logits_rule`` in tests/reference.py).
 
 Gluon's API moved between releases (TMA's load is ``async_copy_global_to_shared`` up to 3.7 and
-``async_load`` from 3.8), so the module binds the name it finds; ``hopper_route.CHECKED_VERSIONS``
-lists the Triton releases the kernels were run and checked under.
+``async_load`` from 3.8; its reduction into global memory, ``async_atomic_add``, has a function
+only from 3.8, while 3.6 and 3.7 have the op in the builder: ``_tma_reduce_add``), so the module
+binds the name it finds; ``hopper_route.CHECKED_VERSIONS`` lists the Triton releases the kernels
+were run and checked under.
 """
 
 import functools
