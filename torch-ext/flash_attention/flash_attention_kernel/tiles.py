@@ -23,6 +23,7 @@ head dim like 80 or 192 costs 64 + 16 or 128 + 64 columns of work instead of 128
 
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 # fp32 products over the head dim: summed from parts this wide (tiles.mma_over_head)
 FP32_HEAD_PART = tl.constexpr(32)
@@ -41,6 +42,10 @@ def sequence_span(batch, cu_seqlens, seqlen, total_rows, IS_VARLEN: tl.constexpr
         return first, end - first
     else:
         return 0, seqlen
+
+
+# whether triton.jit made these functions for the CPU interpreter (TRITON_INTERPRET=1 at import)
+INTERPRETED = tl.constexpr(isinstance(sequence_span, InterpretedFunction))
 
 
 @triton.jit
@@ -380,8 +385,21 @@ def mma_over_head(x_a, x_b, y_a, y_b, DIM_B: tl.constexpr, PRECISION: tl.constex
     varlen sequence's q . k and dO . v) sums that accurately, and where the logits are large (q
     scaled by the softcap) and a row has few keys, this error is what the softmax and its
     gradients inherit (docs/design.md#fp32-exactness: varlen softcap d256 dQ at 11.8x PyTorch's
-    error, from a 1-query, 5-key sequence, with one 256-term chain)."""
-    if PRECISION == "ieee":
+    error, from a 1-query, 5-key sequence, with one 256-term chain).
+
+    Under the CPU interpreter (INTERPRETED) the product is formed in float64 and rounded to fp32
+    once: there tl.dot is NumPy's matmul, whose BLAS kernels (the FMA ones of AVX2 CPUs) round a
+    dot product by their blocking, so the backward's S^T = K Q^T of one tile shape missed the
+    forward's S = Q K^T of another by a rounding of the logits, which exp turns into P = 0 or inf
+    at large logits (tests/test_production.py, fp32 logits near 1e31: a difference of 1.2e25).
+    Products of fp32 values are exact in float64 and their sums' roundings lie far below fp32's,
+    so every tile shape and orientation gets the same fp32 logits, as a GPU's products do."""
+    if INTERPRETED:
+        product = tl.dot(_float64(x_a), tl.trans(_float64(y_a)), input_precision="ieee")
+        if DIM_B > 0:
+            product += tl.dot(_float64(x_b), tl.trans(_float64(y_b)), input_precision="ieee")
+        product = product.to(tl.float32)
+    elif PRECISION == "ieee":
         product = _head_parts_dot(x_a, y_a)
         if DIM_B > 0:
             product = product + _head_parts_dot(x_b, y_b)
@@ -390,6 +408,12 @@ def mma_over_head(x_a, x_b, y_a, y_b, DIM_B: tl.constexpr, PRECISION: tl.constex
         if DIM_B > 0:
             product = mma(x_b, tl.trans(y_b), product, PRECISION)
     return product
+
+
+@triton.jit
+def _float64(x):
+    """x (fp32, fp16 or bf16) as float64, through fp32 (the interpreter widens bf16 only to fp32)."""
+    return x.to(tl.float32).to(tl.float64)
 
 
 @triton.jit
