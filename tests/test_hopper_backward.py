@@ -264,16 +264,17 @@ def test_fused_dq(fa, monkeypatch, name, make, causal, taken, options):
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")
 def test_fused_dq_default_route(fa, monkeypatch):
     """By default a long causal d128 call takes the fused backward under the Triton releases whose
-    hopper_route.FUSED_DQ_MIN_KEYS holds d128 causal (3072 tokens: a row sees 1536 keys on average) and
-    meets the float64 bar; deterministic=True keeps it on the two kernels, bitwise repeatable."""
+    hopper_route.FUSED_DQ_MIN_KEYS holds d128 causal (3072 tokens, a row seeing 1536 keys on average,
+    or twice the release's threshold) and meets the float64 bar; deterministic=True keeps it on the
+    two kernels, bitwise repeatable."""
     kernels = fa.flash_attention_kernel
-    q, k, v = (bshd(1, 3072, 2, BF16) for _ in range(3))
+    min_keys = kernels.hopper_route.fused_min_keys().get((128, "causal"))
+    q, k, v = (bshd(1, max(3072, 2 * (min_keys or 0)), 2, BF16) for _ in range(3))
     dout = torch.randn_like(q)
     monkeypatch.delenv("FLASH_ATTENTION_FUSED_DQ", raising=False)
     layout = kernels.launch.SequenceLayout.of(q, k)
     plan = kernels.planner.plan_backward(kernels.AttentionOptions(128 ** -0.5, True), layout, False, q, k, v, dout)
-    default = (128, "causal") in kernels.hopper_route.fused_min_keys()
-    assert plan.fused == (default and kernels.hopper_route.fused_launcher() is not None)
+    assert plan.fused == (min_keys is not None and kernels.hopper_route.fused_launcher() is not None)
     _assert_meets_bar(_gradients(fa, monkeypatch, "", q, k, v, dout, True), q, k, v, dout, True)
     deterministic = kernels.AttentionOptions(128 ** -0.5, True, deterministic=True)
     assert not kernels.planner.plan_backward(deterministic, layout, False, q, k, v, dout).fused

@@ -30,7 +30,8 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   accumulator by TMA reductions (``hopper_gluon.tma_atomic_add``; two boxes of 32 columns,
   DQ_STAGE_LAYOUT). Both warpgroups then visit every query tile the program streams (a tile one
   of them does not see contributes zeros), since each needs the other's dS^T
-  (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel).
+  (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel); at head dim 128 under Triton 3.6-3.8 a
+  masked call takes them all through one masked loop, which spills less (ONE_LOOP_RELEASES).
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
@@ -42,6 +43,7 @@ At head dims 80 and 96 every tile and accumulator over the head dim is two chunk
 """
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -117,6 +119,15 @@ STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, ra
 # (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)
 DQ_BOX_COLUMNS = 32
 DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+# The releases under which the fused kernel at head dim 128 takes a masked call's tiles through one
+# loop, each tile masked (_consumer's ONE_LOOP). There a second inlined copy of the tile's code (the
+# masked and the unmasked loops), beside the fused dQ's registers, made ptxas spill 2.7x as much at
+# d128 causal (3.6: 420 bytes of spill stores against 156); one loop ran 1.10-1.15x the two under
+# 3.6, 0.93-0.97x under 3.9 (which spills 104 bytes with two loops); at head dim 64 nothing spills
+# and the mask on every tile cost 4-5 % (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel, "One
+# masked loop")
+ONE_LOOP_RELEASES = ("3.6.", "3.7.", "3.8.")
+ONE_LOOP_HERE = gl.constexpr(triton.__version__.startswith(ONE_LOOP_RELEASES))
 KEYS = gl.constexpr(KEY_ROWS)
 ROWS = gl.constexpr(QUERY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
@@ -305,6 +316,12 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     if FUSED_DQ:  # both warpgroups visit every tile the program streams (masked where one sees none)
         lo = m_lo
         hi = m_hi
+    # ONE_LOOP: the fused kernel at head dim 128 takes a masked call's tiles through one loop, every
+    # tile masked, under the releases of ONE_LOOP_RELEASES
+    ONE_LOOP: gl.constexpr = (ONE_LOOP_HERE and FUSED_DQ and q_bufs[0].shape[2] > 64
+                              and (MASK_RIGHT_ | MASK_LEFT_) & VARIANT)
+    if ONE_LOOP:
+        full_lo = hi
     hi_end = gl.maximum(gl.cdiv(hi, ROWS) * ROWS, lo)
     dq_row0, q_head_rows, dq_col0, q_head_cols = dq_rows
     mbarrier.wait(kv_bar, 0)
@@ -316,7 +333,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
         slope_log2 = 0.0
         if ALIBI_ & VARIANT:
             slope_log2 = gl.load(slopes + g) * LOG2E_
-        if MASK_RIGHT_ & VARIANT:
+        if (MASK_RIGHT_ & VARIANT) or ONE_LOOP:
             i = release_unread(ring, i, m_lo, lo, ROWS)
             for m in range(lo, full_lo, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
@@ -324,20 +341,21 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
                                      fused, (dq_row + m, dq_col), s_layout, pds_layout, True, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
-        for m in range(full_lo, full_hi, ROWS):
-            dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
-                                 keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                 fused, (dq_row + m, dq_col), s_layout, pds_layout, False, VARIANT,
-                                 ALIBI_ABS, WG, FUSED_DQ)
-            i += 1
-        if MASK_LEFT_ & VARIANT:
-            for m in range(full_hi, hi, ROWS):
+        if not ONE_LOOP:
+            for m in range(full_lo, full_hi, ROWS):
                 dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                                      keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     fused, (dq_row + m, dq_col), s_layout, pds_layout, True, VARIANT,
+                                     fused, (dq_row + m, dq_col), s_layout, pds_layout, False, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
                 i += 1
-            i = release_unread(ring, i, hi_end, m_hi, ROWS)
+            if MASK_LEFT_ & VARIANT:
+                for m in range(full_hi, hi, ROWS):
+                    dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
+                                         keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
+                                         fused, (dq_row + m, dq_col), s_layout, pds_layout, True, VARIANT,
+                                         ALIBI_ABS, WG, FUSED_DQ)
+                    i += 1
+                i = release_unread(ring, i, hi_end, m_hi, ROWS)
     if FUSED_DQ:
         _drain_fused(fused, i)
     dv_scale = 1.0

@@ -65,9 +65,9 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # "none"), one query head a KV head, and a query row seeing on average at least that many keys
 # (below, the two kernels win: 0.92x at head dim 128 causal with 1k tokens). Every release adds dQ
 # by TMA reductions (3.6 and 3.7 through hopper_gluon._tma_reduce_add). Under 3.6-3.8 the d128
-# causal kernel spills more (136-144 bytes of stack against 3.9's 104) and ran 0.79-0.91x the two
-# kernels, while d128 without a mask ran 1.06-1.20x (stops 64-65).
-_BEFORE_3_9 = {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024}
+# causal kernel spilled more and ran 0.79-0.91x the two kernels (stops 64-65); with one masked loop
+# there (hopper_dkdv.ONE_LOOP_RELEASES, stop 66) 0.99x at 2k keys a row, 1.00x at 4k, 1.02x at 8k.
+_BEFORE_3_9 = {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024, (128, "causal"): 4096}
 FUSED_DQ_MIN_KEYS = {  # release -> (head dim, mask) -> keys a row
     "3.9.": {(64, "none"): 512, (64, "causal"): 512, (128, "none"): 1024, (128, "causal"): 1024},
     "3.8.": _BEFORE_3_9,
