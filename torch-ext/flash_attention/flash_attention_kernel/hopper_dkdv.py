@@ -209,6 +209,23 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
     return dk, dv
 
 @gluon.jit
+def _query_range(dk, dv, i, start, end, tile, dq_at, S_LAYOUT: gl.constexpr, OPERAND_LAYOUT: gl.constexpr,
+                 MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, WG: gl.constexpr,
+                 FUSED_DQ: gl.constexpr):
+    """dK, dV and the ring's count after the query tiles [start, end) (_query_tile each; ``tile``:
+    its loop-invariant arguments, ``dq_at``: the query head's first dQ row and column, FUSED_DQ)."""
+    (k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, keys, first_key, band, score, slope_log2, dropout,
+     dropout_scale, stream, fused) = tile
+    dq_row, dq_col = dq_at
+    for m in range(start, end, ROWS):
+        dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m, keys, first_key,
+                             band, score, slope_log2, dropout, dropout_scale, stream, fused, (dq_row + m, dq_col),
+                             S_LAYOUT, OPERAND_LAYOUT, MASKED, VARIANT, ALIBI_ABS, WG, FUSED_DQ)
+        i += 1
+    return dk, dv, i
+
+
+@gluon.jit
 def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     """With this tile's dV and dK products in flight, add its dQ = dS K for the tile's 64 query
     rows, times softmax_scale, into dq_accum. Both warpgroups put their dS^T (keys by rows) in
@@ -328,33 +345,23 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     i = 0
     for g in range(GROUP_SIZE):
         stream = (first_row + g).to(gl.uint32)  # dropout's Philox stream: batch * heads + head
-        dq_row = dq_row0 + g * q_head_rows  # (this query head's dQ in the accumulator's rows, FUSED_DQ)
-        dq_col = dq_col0 + g * q_head_cols
+        dq_at = (dq_row0 + g * q_head_rows, dq_col0 + g * q_head_cols)  # (its dQ in the accumulator, FUSED_DQ)
         slope_log2 = 0.0
         if ALIBI_ & VARIANT:
             slope_log2 = gl.load(slopes + g) * LOG2E_
+        # (what every query tile of this head takes)
+        tile = (k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, keys, first_key, band, score, slope_log2,
+                dropout, dropout_scale, stream, fused)
         if (MASK_RIGHT_ & VARIANT) or ONE_LOOP:
             i = release_unread(ring, i, m_lo, lo, ROWS)
-            for m in range(lo, full_lo, ROWS):
-                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
-                                     keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     fused, (dq_row + m, dq_col), s_layout, pds_layout, True, VARIANT,
+            dk, dv, i = _query_range(dk, dv, i, lo, full_lo, tile, dq_at, s_layout, pds_layout, True, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
-                i += 1
         if not ONE_LOOP:
-            for m in range(full_lo, full_hi, ROWS):
-                dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
-                                     keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                     fused, (dq_row + m, dq_col), s_layout, pds_layout, False, VARIANT,
+            dk, dv, i = _query_range(dk, dv, i, full_lo, full_hi, tile, dq_at, s_layout, pds_layout, False, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
-                i += 1
             if MASK_LEFT_ & VARIANT:
-                for m in range(full_hi, hi, ROWS):
-                    dk, dv = _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
-                                         keys, first_key, band, score, slope_log2, dropout, dropout_scale, stream,
-                                         fused, (dq_row + m, dq_col), s_layout, pds_layout, True, VARIANT,
+                dk, dv, i = _query_range(dk, dv, i, full_hi, hi, tile, dq_at, s_layout, pds_layout, True, VARIANT,
                                          ALIBI_ABS, WG, FUSED_DQ)
-                    i += 1
                 i = release_unread(ring, i, hi_end, m_hi, ROWS)
     if FUSED_DQ:
         _drain_fused(fused, i)
