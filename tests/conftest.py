@@ -8,8 +8,11 @@ The package under test is always the built variant (scripts/build_variants.py in
 folder, loaded with kernels.get_local_kernel), never the source tree.
 """
 
+import fcntl
+import gc
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,29 @@ def build_dir(tmp_path_factory) -> Path:
 def fa(build_dir):
     """The flash-attention module, loaded from the built variant."""
     return kernels.get_local_kernel(build_dir)
+
+
+# One file lock for every pytest process on the machine (each xdist worker is one)
+LARGE_GPU_MEMORY_LOCK = Path(tempfile.gettempdir()) / "flash-attention-tests-large-gpu-memory.lock"
+
+
+@pytest.fixture
+def large_gpu_memory():
+    """For a test that holds tens of GB of GPU memory (the past-2**31-element cases, about 45 GB
+    with their gradients): only one such test runs at a time across the xdist workers, and each
+    hands its memory back to the driver when it ends. Two of them in flight, or one worker's
+    caching allocator still holding a finished one's blocks, fill an H200's 139 GB beside the other
+    workers' tests."""
+    with open(LARGE_GPU_MEMORY_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -58,6 +58,7 @@ def test_lse_gradient(fa):
         assert (ours.double() - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_offsets_past_int32(fa):
     """Inputs whose batch stride puts element offsets past 2**31 (the kernels offset in int64).
 
@@ -86,6 +87,7 @@ def test_offsets_past_int32(fa):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs ~30 GB and a 33k-batch grid; hours under the CPU interpreter")
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_dense_tensors_past_int32(fa):
     """Contiguous q, k, v, out and grads of more than 2**31 elements; checks the last batches."""
     batch, seqlen, heads, head_dim = 33000, 256, 2, 128  # 2.16e9 elements per tensor

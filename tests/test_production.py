@@ -621,11 +621,6 @@ def test_second_gpu(fa):
 INT32_ELEMENTS = 2 ** 31
 
 
-def _free():
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def _check_slice(name, ours, truth, tolerance):
     err = (ours.double() - truth).abs().max().item()
     assert err <= tolerance, f"{name}: max error {err:.3g} > {tolerance}"
@@ -633,6 +628,7 @@ def _check_slice(name, ours, truth, tolerance):
 
 @gpu_only
 @pytest.mark.parametrize("seqlen", [8200, 8192], ids=["tl", "full_tiles"])
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_dense_past_int32(fa, seqlen):
     """Dense forward + backward, q, k, v, out and every gradient of 2.18e9 elements (a batch
     entry's rows cross 2**31 inside the second entry); full tiles take the Gluon kernels on
@@ -649,11 +645,10 @@ def test_dense_past_int32(fa, seqlen):
     _check_slice("out", out[part], truth_out, 2e-2)
     for name, ours, truth in zip(("dq", "dk", "dv"), grads, truth_grads):
         _check_slice(name, ours[part], truth, 5e-2)
-    del q, k, v, out, dout, grads
-    _free()
 
 
 @gpu_only
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_varlen_past_int32(fa):
     """Varlen forward + backward (the preprocess kernel too) over 1.06e6 tokens x 16 heads x 128
     (2.17e9 elements); the last two sequences and one in the middle are checked."""
@@ -676,11 +671,10 @@ def test_varlen_past_int32(fa):
         _check_slice(f"out of sequence {b}", out[rows], truth_out[0], 2e-2)
         for name, ours, truth in zip(("dq", "dk", "dv"), grads, truth_grads):
             _check_slice(f"{name} of sequence {b}", ours[rows], truth[0], 5e-2)
-    del q, k, v, out, dout, grads
-    _free()
 
 
 @gpu_only
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_paged_cache_past_int32(fa):
     """Paged caches of 8200 pages x 256 keys x 8 heads x 128 (2.15e9 elements each), the tables
     listing pages past element 2**31: flash_attn_varlen_func(block_table=...) and a paged decode
@@ -712,11 +706,10 @@ def test_paged_cache_past_int32(fa):
             assert torch.equal(keys[0][0, n], new_k[b, 0]) and torch.equal(keys[1][0, n], new_v[b, 0])
             truth, _ = attention_ref(q1[b:b + 1], *keys, False, head_dim ** -0.5)
             _check_slice(f"paged decode out of sequence {b}", decode[b], truth[0], 2e-2)
-    del k_cache, v_cache
-    _free()
 
 
 @gpu_only
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_decode_cache_past_int32(fa):
     """A contiguous cache of 64 x 33000 keys x 8 heads x 128 (2.16e9 elements): a decode step
     appending one key at lengths near the end writes exactly those rows (the rest of the
@@ -740,6 +733,4 @@ def test_decode_cache_past_int32(fa):
         n = int(lengths[b]) + 1
         truth, _ = attention_ref(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], False, head_dim ** -0.5)
         _check_slice(f"decode out of entry {b}", out[b], truth[0], 2e-2)
-    del k_cache, v_cache
-    _free()
 
