@@ -103,7 +103,7 @@ def test_mean_visible_keys_counts_every_pair(fa):
 def test_short_calls_keep_the_tl_kernels(fa, monkeypatch):
     """The default route gives a call the Gluon kernel only where it is long enough
     (hopper_route.long_enough: the forward from a mean of 256 keys a query row at head dim 128 and
-    2048 at 64, the backward from 256 keys); FLASH_ATTENTION_GLUON=1 gives it every call it fits.
+    1024 at 64, the backward from 256 keys); FLASH_ATTENTION_GLUON=1 gives it every call it fits.
     ``fits`` is a stand-in here (true everywhere, as on an H100), and this Triton counts as checked."""
     kernels = fa.flash_attention_kernel
     route = kernels.hopper_route
@@ -120,8 +120,8 @@ def test_short_calls_keep_the_tl_kernels(fa, monkeypatch):
 
     expected = {  # (kernel, seqlen, head dim, causal): chosen
         ("fwd", 256, 128, True): False, ("fwd", 512, 128, True): True, ("fwd", 256, 128, False): True,
-        ("fwd", 128, 128, False): False, ("fwd", 2048, 64, True): False, ("fwd", 4096, 64, True): True,
-        ("fwd", 1024, 64, False): False, ("fwd", 2048, 64, False): True,
+        ("fwd", 128, 128, False): False, ("fwd", 1024, 64, True): False, ("fwd", 2048, 64, True): True,
+        ("fwd", 512, 64, False): False, ("fwd", 1024, 64, False): True,
         ("bwd_dq", 128, 128, False): False, ("bwd_dkdv", 128, 64, True): False,
         ("bwd_dq", 256, 128, True): True, ("bwd_dkdv", 256, 64, True): True,
     }

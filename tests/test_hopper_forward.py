@@ -45,7 +45,7 @@ def test_taken_only_where_it_can_work(fa, monkeypatch):
     assert _routed_to_gluon(fa, q, k, v, causal=True) == expected
     assert _routed_to_gluon(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=300, window_right=40) == expected
     assert _routed_to_gluon(fa, q, k, v, sinks=torch.zeros(4, device=q.device)) == expected
-    # (too few keys a row for the default route, hopper_route.long_enough: d128 from 256, d64 from 2048)
+    # (too few keys a row for the default route, hopper_route.long_enough: d128 from 256, d64 from 1024)
     assert not _routed_to_gluon(fa, q, k, v, softcap=30.0, dropout_p=0.1, window_left=100, window_right=7)
     assert not _routed_to_gluon(fa, q[..., :64], k[..., :64], v[..., :64])
     monkeypatch.setenv("FLASH_ATTENTION_GLUON", "1")  # (every call it can run, short ones too)

@@ -50,9 +50,9 @@ KERNELS = {"fwd": ("hopper_forward", "attention_forward"), "bwd_dq": ("hopper_dq
            "bwd_dkdv": ("hopper_dkdv", "attention_dkdv")}
 
 # The shortest calls the default route gives each Gluon kernel (``long_enough``; the H100 sweeps
-# behind them: docs/design.md#hopper-gluon-kernels, "Short calls"). Forward: the mean number of keys
-# a query row sees, per head dim. Backward (both passes): seqlen_k.
-FORWARD_MIN_KEYS = {64: 2048, 80: 256, 96: 256, 128: 256}
+# behind them and stop 67's H200 one at d64: docs/design.md#hopper-gluon-kernels, "Short calls").
+# Forward: the mean number of keys a query row sees, per head dim. Backward (both passes): seqlen_k.
+FORWARD_MIN_KEYS = {64: 1024, 80: 256, 96: 256, 128: 256}
 BACKWARD_MIN_SEQLEN_K = 256
 
 _loaded = {}  # module name -> the imported module, or None where its import failed
