@@ -81,7 +81,8 @@ def large_gpu_memory():
     with their gradients): only one such test runs at a time across the xdist workers, and each
     hands its memory back to the driver when it ends. Two of them in flight, or one worker's
     caching allocator still holding a finished one's blocks, fill an H200's 139 GB beside the other
-    workers' tests."""
+    workers' tests. (A failing test's traceback keeps its tensors alive; the lock is released all
+    the same.)"""
     with open(LARGE_GPU_MEMORY_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
