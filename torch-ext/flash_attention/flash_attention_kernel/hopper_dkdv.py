@@ -337,7 +337,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     # tile masked, under the releases of ONE_LOOP_RELEASES
     ONE_LOOP: gl.constexpr = (ONE_LOOP_HERE and FUSED_DQ and q_bufs[0].shape[2] > 64
                               and (MASK_RIGHT_ | MASK_LEFT_) & VARIANT)
-    if ONE_LOOP:  # (no full tiles: the first masked loop runs to hi, the others are left out)
+    if ONE_LOOP:  # (no full tiles: the first masked loop runs to hi, the others are left out, and
+        # so is the left mask's trailing release_unread: under FUSED_DQ hi = m_hi, no tile is left unread)
         full_lo = hi
     hi_end = gl.maximum(gl.cdiv(hi, ROWS) * ROWS, lo)
     dq_row0, q_head_rows, dq_col0, q_head_cols = dq_rows
