@@ -67,6 +67,11 @@ def main():
     parser.add_argument("--cudnn", action="store_true", help="time SDPA's cuDNN backend in the same rounds")
     args = parser.parse_args()
     builds = {"new": kernels.get_local_kernel(REPO_ROOT / "build"), "other": kernels.get_local_kernel(args.other)}
+    if builds["new"].__name__ == builds["other"].__name__:  # (the loader imports a build under its id: the
+        # commit it was built at, "_dirty" for a changed tree; a second build of that id runs the first's modules)
+        parser.error(f"{args.other} has the id of this tree's build ({builds['new'].__name__}), so both would "
+                     "run this build's kernels: build OTHER at another commit, or give it another id "
+                     "(its metadata.json and _ops.py)")
     print(f"{'d':>4} {'N':>6} {'causal':>6} {'dir':>4} {'new':>7} {'other':>7} {'new/other':>9}"
           + (f" {'cudnn':>7} {'new/cudnn':>9}" if args.cudnn else "") + f" {'max|new-other|':>14}")
     for point in args.points.split(","):
