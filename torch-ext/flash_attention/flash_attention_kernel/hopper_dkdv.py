@@ -31,7 +31,8 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   DQ_STAGE_LAYOUT). Both warpgroups then visit every query tile the program streams (a tile one
   of them does not see contributes zeros), since each needs the other's dS^T
   (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel); at head dim 128 under Triton 3.6-3.8 a
-  masked call takes them all through one masked loop, which spills less (ONE_LOOP_RELEASES).
+  masked call takes them all through one masked loop, which spills less (ONE_LOOP_RELEASES), and a
+  call without a mask forms dK from the stored dS^T, issued after the store (DK_FROM_SHARED_RELEASES).
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
@@ -128,6 +129,13 @@ DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=
 # masked loop")
 ONE_LOOP_RELEASES = ("3.6.", "3.7.", "3.8.")
 ONE_LOOP_HERE = gl.constexpr(triton.__version__.startswith(ONE_LOOP_RELEASES))
+# The releases under which the fused kernel at head dim 128, on a call without a mask, forms dK from the
+# dS^T it stores for dQ (_fused_dq's q) rather than from a register operand held until the tile's last
+# wait: under 3.6 1.02-1.05x at N = 2k-16k non-causal, 0.97-0.99x causal, so masked calls keep the
+# register operand (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel, "dK from the stored dS^T"); 3.7 and
+# 3.8 were compiled (non-causal spill stores 32 -> 0 bytes), not timed; 3.9 was not timed
+DK_FROM_SHARED_RELEASES = ("3.6.", "3.7.", "3.8.")
+DK_FROM_SHARED_HERE = gl.constexpr(triton.__version__.startswith(DK_FROM_SHARED_RELEASES))
 KEYS = gl.constexpr(KEY_ROWS)
 ROWS = gl.constexpr(QUERY_ROWS)
 FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumer warpgroups
@@ -200,10 +208,15 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
                           VARIANT)
     dv = issue_into_chunks(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv)
     ds_rounded = ds.to(dtype)
-    dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
-    if FUSED_DQ:
+    DK_FROM_SHARED: gl.constexpr = (DK_FROM_SHARED_HERE and FUSED_DQ and q_bufs[0].shape[2] == 128
+                                    and not ((MASK_LEFT_ | MASK_RIGHT_) & VARIANT))
+    if DK_FROM_SHARED:
+        dk, dv = _fused_dq(dk, dv, ds_rounded, ring, i, fused, dq_at, WG, q)
+    elif FUSED_DQ:
+        dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
         dk, dv = _fused_dq(dk, dv, ds_rounded, ring, i, fused, dq_at, WG)
     else:
+        dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
         dv, dk = wait_chunk_pairs(0, dv, dk)
         ring.release(i)
     return dk, dv
@@ -226,9 +239,10 @@ def _query_range(dk, dv, i, start, end, tile, dq_at, S_LAYOUT: gl.constexpr, OPE
 
 
 @gluon.jit
-def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
+def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr, q=None):
     """With this tile's dV and dK products in flight, add its dQ = dS K for the tile's 64 query
-    rows, times softmax_scale, into dq_accum. Both warpgroups put their dS^T (keys by rows) in
+    rows, times softmax_scale, into dq_accum (given ``q``, the tile's Q chunks, dK's product is
+    issued here instead, from the stored dS^T: DK_FROM_SHARED). Both warpgroups put their dS^T (keys by rows) in
     shared memory; dQ is formed over all 128 keys of the program from there, staged in shared
     memory and added by reductions (``_add_dq``). At head dim 128
     each warpgroup forms half of dQ's columns once both dS^T are in (FlashAttention-3's split);
@@ -250,6 +264,8 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr):
     mbarrier.wait(ds_free.index(parity), phase ^ 1)
     ds_bufs.index(parity * 2 + WG).store(ds)
     fence_async_shared()
+    if q is not None:  # (DK_FROM_SHARED: dK = dS^T Q from the stored dS^T, one chunk at head dim 128)
+        dk = (warpgroup_mma(ds_bufs.index(parity * 2 + WG), q[0], dk[0], is_async=True),)
     mbarrier.arrive(ds_ready.index(parity), count=1)
     if SPLIT:
         mbarrier.wait(ds_ready.index(parity), phase)
