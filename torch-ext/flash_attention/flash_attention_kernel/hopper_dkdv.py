@@ -130,8 +130,8 @@ DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=
 ONE_LOOP_RELEASES = ("3.6.", "3.7.", "3.8.")
 ONE_LOOP_HERE = gl.constexpr(triton.__version__.startswith(ONE_LOOP_RELEASES))
 # The releases under which the fused kernel at head dim 128, on a call without a mask, forms dK from the
-# dS^T it stores for dQ (_fused_dq's q) rather than from a register operand held until the tile's last
-# wait: under 3.6 1.02-1.05x at N = 2k-16k non-causal, 0.97-0.99x causal, so masked calls keep the
+# dS^T it stores for dQ (_fused_dq's ISSUE_DK) rather than from a register operand held until the tile's
+# last wait: under 3.6 1.02-1.05x at N = 2k-16k non-causal, 0.97-0.99x causal, so masked calls keep the
 # register operand (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel, "dK from the stored dS^T"); 3.7 and
 # 3.8 were compiled (non-causal spill stores 32 -> 0 bytes), not timed; 3.9 was not timed
 DK_FROM_SHARED_RELEASES = ("3.6.", "3.7.", "3.8.")
@@ -210,13 +210,11 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
     ds_rounded = ds.to(dtype)
     DK_FROM_SHARED: gl.constexpr = (DK_FROM_SHARED_HERE and FUSED_DQ and q_bufs[0].shape[2] == 128
                                     and not ((MASK_LEFT_ | MASK_RIGHT_) & VARIANT))
-    if DK_FROM_SHARED:
-        dk, dv = _fused_dq(dk, dv, ds_rounded, ring, i, fused, dq_at, WG, q)
-    elif FUSED_DQ:
+    if not DK_FROM_SHARED:  # (else _fused_dq issues it, from the dS^T it stores)
         dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
-        dk, dv = _fused_dq(dk, dv, ds_rounded, ring, i, fused, dq_at, WG)
+    if FUSED_DQ:
+        dk, dv = _fused_dq(dk, dv, ds_rounded, q, ring, i, fused, dq_at, WG, DK_FROM_SHARED)
     else:
-        dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
         dv, dk = wait_chunk_pairs(0, dv, dk)
         ring.release(i)
     return dk, dv
@@ -239,10 +237,10 @@ def _query_range(dk, dv, i, start, end, tile, dq_at, S_LAYOUT: gl.constexpr, OPE
 
 
 @gluon.jit
-def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr, q=None):
+def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, WG: gl.constexpr, ISSUE_DK: gl.constexpr):
     """With this tile's dV and dK products in flight, add its dQ = dS K for the tile's 64 query
-    rows, times softmax_scale, into dq_accum (given ``q``, the tile's Q chunks, dK's product is
-    issued here instead, from the stored dS^T: DK_FROM_SHARED). Both warpgroups put their dS^T (keys by rows) in
+    rows, times softmax_scale, into dq_accum (ISSUE_DK: dK's product is issued here instead, from
+    the stored dS^T and the tile's Q chunks ``q``). Both warpgroups put their dS^T (keys by rows) in
     shared memory; dQ is formed over all 128 keys of the program from there, staged in shared
     memory and added by reductions (``_add_dq``). At head dim 128
     each warpgroup forms half of dQ's columns once both dS^T are in (FlashAttention-3's split);
@@ -257,6 +255,7 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr, q=None):
     dq_row, dq_col = dq_at
     WIDTH: gl.constexpr = 2 * dq_stage.shape[2]  # (dQ columns one warpgroup forms: two boxes)
     SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
+    gl.static_assert(SPLIT or not ISSUE_DK, "dK from the stored dS^T is the head-dim-128 kernel's")
     gl.static_assert(SPLIT or k_all.shape[2] == WIDTH, "the fused dQ holds head dims 64 and 128")
     parity = i % 2
     phase = (i // 2) & 1
@@ -264,7 +263,7 @@ def _fused_dq(dk, dv, ds, ring, i, fused, dq_at, WG: gl.constexpr, q=None):
     mbarrier.wait(ds_free.index(parity), phase ^ 1)
     ds_bufs.index(parity * 2 + WG).store(ds)
     fence_async_shared()
-    if q is not None:  # (DK_FROM_SHARED: dK = dS^T Q from the stored dS^T, one chunk at head dim 128)
+    if ISSUE_DK:  # (dK = dS^T Q from the stored dS^T, one chunk at head dim 128)
         dk = (warpgroup_mma(ds_bufs.index(parity * 2 + WG), q[0], dk[0], is_async=True),)
     mbarrier.arrive(ds_ready.index(parity), count=1)
     if SPLIT:
