@@ -55,7 +55,7 @@ from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, band_tiles,
     chunk_buffers, chunk_bytes, chunks_at, flat_descriptor, issue_into_chunks, issue_over_chunks, load_chunks,
-    make_ring, operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits,
+    make_ring, opaque, operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits,
     tile_logits_grad, tma_atomic_add, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
@@ -180,6 +180,7 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
     dO, dK and dV in head-dim chunks). MASKED: the tile crosses a band edge."""
     dtype: gl.constexpr = q_bufs[0].dtype
     CHUNKS: gl.constexpr = len(q_bufs)  # (wgmmas per product)
+    i = opaque(i)  # (the buffers' addresses from the count, not carried: hopper_gluon.opaque)
     idx = ring.index(i)
     ring.wait_ready(i)
     q = chunks_at(q_bufs, idx)

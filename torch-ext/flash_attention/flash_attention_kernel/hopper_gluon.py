@@ -224,6 +224,17 @@ class Ring:
 
 
 @gluon.jit
+def opaque(count):
+    """``count`` (an int32 scalar, a ring's tile count) through a register copy that LLVM cannot
+    see through. A loop that forms its buffers' addresses from its count, base + (i % STAGES) x
+    bytes, has LLVM's loop strength reduction carry one address of its own per buffer and barrier
+    around the loop instead (i x bytes, less the wraps); in the dK/dV consumer, at 240 registers,
+    those registers were what ptxas spilled (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel, "An
+    opaque tile count"). From the copy the addresses are formed again in each tile, a few adds."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [count], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def make_ring(STAGES: gl.constexpr):
     """A ``Ring`` of STAGES buffers' barriers, initialised: "ready" completes on one arrival (the
     TMA's transaction count), "empty" on two (both consumer warpgroups)."""
