@@ -30,9 +30,10 @@ products (exp2, the softcap's tanh and its gradient, the causal mask) leaves the
   accumulator by TMA reductions (``hopper_gluon.tma_atomic_add``; two boxes of 32 columns,
   DQ_STAGE_LAYOUT). Both warpgroups then visit every query tile the program streams (a tile one
   of them does not see contributes zeros), since each needs the other's dS^T
-  (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel); at head dim 128 under Triton 3.6-3.8 a
-  masked call takes them all through one masked loop, which spills less (ONE_LOOP_RELEASES), and a
-  call without a mask forms dK from the stored dS^T, issued after the store (DK_FROM_SHARED_RELEASES).
+  (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel); under Triton 3.6-3.8 a masked call indexes
+  the resident K and V tiles afresh in each query tile (OPAQUE_RESIDENT_RELEASES), and at head dim
+  128 a call without a mask forms dK from the stored dS^T, issued after the store
+  (DK_FROM_SHARED_RELEASES).
 
 Math and conventions are the tl kernel's (the lse includes a sink's term, rows with lse = +inf get
 P = 0, dK is scaled by softmax_scale at the end); ALiBi's slope is the query head's.
@@ -55,8 +56,8 @@ from .hopper_dropout import drop_unkept, dropout_state, dropout_words
 from .hopper_gluon import (
     ALIBI_, CONSUMER_REGISTERS, DROPOUT_, LOG2E_, MASK_LEFT_, MASK_RIGHT_, accumulator_layout, band_tiles,
     chunk_buffers, chunk_bytes, chunks_at, flat_descriptor, issue_into_chunks, issue_over_chunks, load_chunks,
-    make_ring, opaque, operand_layout, option_arguments, release_unread, store_chunks, tile_arguments, tile_logits,
-    tile_logits_grad, tma_atomic_add, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
+    make_ring, opaque, operand_layout, option_arguments, release_unread, resident_index, store_chunks, tile_arguments,
+    tile_logits, tile_logits_grad, tma_atomic_add, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
 from .configs import GLUON_TILES, GluonConfig
 from .direct_launch import launcher
@@ -120,15 +121,18 @@ STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, ra
 # (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)
 DQ_BOX_COLUMNS = 32
 DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-# The releases under which the fused kernel at head dim 128 takes a masked call's tiles through one
-# loop, each tile masked (_consumer's ONE_LOOP). There a second inlined copy of the tile's code (the
-# masked and the unmasked loops), beside the fused dQ's registers, made ptxas spill 2.7x as much at
-# d128 causal (3.6: 420 bytes of spill stores against 156); one loop ran 1.10-1.15x the two under
-# 3.6, 0.93-0.97x under 3.9 (which spills 104 bytes with two loops); at head dim 64 nothing spills
-# and the mask on every tile cost 4-5 % (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel, "One
-# masked loop")
-ONE_LOOP_RELEASES = ("3.6.", "3.7.", "3.8.")
-ONE_LOOP_HERE = gl.constexpr(triton.__version__.startswith(ONE_LOOP_RELEASES))
+# The releases under which the fused kernel, on a masked call, indexes its resident K and V tiles (and
+# both warpgroups' K for dQ) through hopper_gluon.resident_index in each query tile (_query_tile's
+# OPAQUE_RESIDENT). Indexed once, their wgmma descriptors (one 64-bit value per k-step, loop-invariant)
+# are hoisted out of the loop by LLVM and held in registers; 3.6-3.8 then spill them (3.6, d128 causal:
+# 48 spill stores with the masked and unmasked loops, 18 with one masked loop) and move each to a uniform
+# register before its wgmma; formed in each tile, they stay in uniform registers (3 spill stores). At
+# d128 causal under 3.6 that ran 1.09-1.11x the landed kernel from 8k and let the fused kernel take
+# causal calls from 1k keys a row (FUSED_DQ_MIN_KEYS); calls without a mask, which spilled little,
+# lost 2-4 %, and so did 3.9, whose own code keeps the descriptors in uniform registers (stop 71,
+# docs/design.md#fused-dq-in-the-gluon-dkdv-kernel, "Resident tiles indexed in each tile")
+OPAQUE_RESIDENT_RELEASES = ("3.6.", "3.7.", "3.8.")
+OPAQUE_RESIDENT_HERE = gl.constexpr(triton.__version__.startswith(OPAQUE_RESIDENT_RELEASES))
 # The releases under which the fused kernel at head dim 128, on a call without a mask, forms dK from the
 # dS^T it stores for dQ (_fused_dq's ISSUE_DK) rather than from a register operand held until the tile's
 # last wait: under 3.6 1.02-1.05x at N = 2k-16k non-causal, 0.97-0.99x causal, so masked calls keep the
@@ -172,15 +176,19 @@ def _producer(q_descs, k_descs, v_descs, do_descs, lse_desc, delta_desc, q_rows,
             i += 1
 
 @gluon.jit
-def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m, keys, first_key, band,
+def _query_tile(dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m, keys, first_key, band,
                 score, slope_log2, dropout, dropout_scale, stream, fused, dq_at, S_LAYOUT: gl.constexpr,
                 OPERAND_LAYOUT: gl.constexpr, MASKED: gl.constexpr, VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr,
                 WG: gl.constexpr, FUSED_DQ: gl.constexpr):
-    """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i`` (K, V, Q,
-    dO, dK and dV in head-dim chunks). MASKED: the tile crosses a band edge."""
+    """dK, dV of a warpgroup's 64 keys after query tile [m, m + 64), ring buffer ``i`` (K, V: both
+    warpgroups' resident tiles, this one's at index WG; Q, dO, dK and dV in head-dim chunks).
+    MASKED: the tile crosses a band edge."""
     dtype: gl.constexpr = q_bufs[0].dtype
     CHUNKS: gl.constexpr = len(q_bufs)  # (wgmmas per product)
     i = opaque(i)  # (the buffers' addresses from the count, not carried: hopper_gluon.opaque)
+    OPAQUE_RESIDENT: gl.constexpr = OPAQUE_RESIDENT_HERE and FUSED_DQ and (MASK_LEFT_ | MASK_RIGHT_) & VARIANT
+    k = chunks_at(k_smem, resident_index(i, WG, OPAQUE_RESIDENT))
+    v = chunks_at(v_smem, resident_index(i, WG, OPAQUE_RESIDENT))
     idx = ring.index(i)
     ring.wait_ready(i)
     q = chunks_at(q_bufs, idx)
@@ -214,7 +222,8 @@ def _query_tile(dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, i, m,
     if not DK_FROM_SHARED:  # (else _fused_dq issues it, from the dS^T it stores)
         dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
     if FUSED_DQ:
-        dk, dv = _fused_dq(dk, dv, ds_rounded, q, ring, i, fused, dq_at, WG, DK_FROM_SHARED)
+        k_at = (resident_index(i, 0, OPAQUE_RESIDENT), resident_index(i, 1, OPAQUE_RESIDENT))
+        dk, dv = _fused_dq(dk, dv, ds_rounded, q, ring, i, fused, dq_at, k_at, WG, DK_FROM_SHARED)
     else:
         dv, dk = wait_chunk_pairs(0, dv, dk)
         ring.release(i)
@@ -238,7 +247,7 @@ def _query_range(dk, dv, i, start, end, tile, dq_at, S_LAYOUT: gl.constexpr, OPE
 
 
 @gluon.jit
-def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, WG: gl.constexpr, ISSUE_DK: gl.constexpr):
+def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, k_at, WG: gl.constexpr, ISSUE_DK: gl.constexpr):
     """With this tile's dV and dK products in flight, add its dQ = dS K for the tile's 64 query
     rows, times softmax_scale, into dq_accum (ISSUE_DK: dK's product is issued here instead, from
     the stored dS^T and the tile's Q chunks ``q``). Both warpgroups put their dS^T (keys by rows) in
@@ -251,7 +260,7 @@ def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, WG: gl.constexpr, ISSUE_DK: 
     ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
     warpgroups' keys, dq_stage [4, ROWS, DQ_BOX] fp32: (warpgroup, box), ds_ready and ds_free
     [2, 1] mbarriers, dq_target, softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in
-    dq_accum's rows."""
+    dq_accum's rows; ``k_at``: the indices of the two warpgroups' keys in k_all (``resident_index``)."""
     ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_target, softmax_scale = fused
     dq_row, dq_col = dq_at
     WIDTH: gl.constexpr = 2 * dq_stage.shape[2]  # (dQ columns one warpgroup forms: two boxes)
@@ -269,7 +278,7 @@ def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, WG: gl.constexpr, ISSUE_DK: 
     mbarrier.arrive(ds_ready.index(parity), count=1)
     if SPLIT:
         mbarrier.wait(ds_ready.index(parity), phase)
-        acc = _dq_product(ds_bufs, k_all, parity, WG * WIDTH, WIDTH)
+        acc = _dq_product(ds_bufs, k_all, k_at, parity, WG * WIDTH, WIDTH)
         dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
         mbarrier.arrive(ds_free.index(parity), count=1)
         ring.release(i)
@@ -277,7 +286,7 @@ def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, WG: gl.constexpr, ISSUE_DK: 
     else:
         if parity == WG:  # (this warpgroup's turn)
             mbarrier.wait(ds_ready.index(parity), phase)
-            acc = _dq_product(ds_bufs, k_all, parity, 0, WIDTH)
+            acc = _dq_product(ds_bufs, k_all, k_at, parity, 0, WIDTH)
             dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
             mbarrier.arrive(ds_free.index(parity), count=1)
             _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_target, dq_row, dq_col)
@@ -299,14 +308,14 @@ def _drain_fused(fused, count):
         mbarrier.wait(ds_free.index((count - 2) % 2), ((count - 2) // 2) & 1)
 
 @gluon.jit
-def _dq_product(ds_bufs, k_all, parity, first_col, WIDTH: gl.constexpr):
+def _dq_product(ds_bufs, k_all, k_at, parity, first_col, WIDTH: gl.constexpr):
     """dS [ROWS, 128 keys] times the program's K at columns first_col.. (WIDTH of them), from both
-    warpgroups' dS^T of this parity; in flight."""
+    warpgroups' dS^T of this parity (their keys at k_all's indices ``k_at``); in flight."""
     acc = gl.zeros([ROWS, WIDTH], gl.float32, accumulator_layout(WIDTH))
-    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_all.index(0).slice(first_col, WIDTH, 1), acc,
-                        use_acc=False, is_async=True)
-    return warpgroup_mma(ds_bufs.index(parity * 2 + 1).permute((1, 0)), k_all.index(1).slice(first_col, WIDTH, 1),
-                         acc, is_async=True)
+    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_all.index(k_at[0]).slice(first_col, WIDTH, 1),
+                        acc, use_acc=False, is_async=True)
+    return warpgroup_mma(ds_bufs.index(parity * 2 + 1).permute((1, 0)),
+                         k_all.index(k_at[1]).slice(first_col, WIDTH, 1), acc, is_async=True)
 
 @gluon.jit
 def _add_dq(dq, stages, first, dq_target, row, col):
@@ -349,13 +358,6 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
     if FUSED_DQ:  # both warpgroups visit every tile the program streams (masked where one sees none)
         lo = m_lo
         hi = m_hi
-    # ONE_LOOP: the fused kernel at head dim 128 takes a masked call's tiles through one loop, every
-    # tile masked, under the releases of ONE_LOOP_RELEASES
-    ONE_LOOP: gl.constexpr = (ONE_LOOP_HERE and FUSED_DQ and q_bufs[0].shape[2] > 64
-                              and (MASK_RIGHT_ | MASK_LEFT_) & VARIANT)
-    if ONE_LOOP:  # (no full tiles: the first masked loop runs to hi, the others are left out, and
-        # so is the left mask's trailing release_unread: under FUSED_DQ hi = m_hi, no tile is left unread)
-        full_lo = hi
     hi_end = gl.maximum(gl.cdiv(hi, ROWS) * ROWS, lo)
     dq_row0, q_head_rows, dq_col0, q_head_cols = dq_rows
     mbarrier.wait(kv_bar, 0)
@@ -367,19 +369,18 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, rin
         if ALIBI_ & VARIANT:
             slope_log2 = gl.load(slopes + g) * LOG2E_
         # (what every query tile of this head takes)
-        tile = (k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, keys, first_key, band, score, slope_log2,
+        tile = (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ring, keys, first_key, band, score, slope_log2,
                 dropout, dropout_scale, stream, fused)
-        if (MASK_RIGHT_ & VARIANT) or ONE_LOOP:
+        if MASK_RIGHT_ & VARIANT:
             i = release_unread(ring, i, m_lo, lo, ROWS)
             dk, dv, i = _query_range(dk, dv, i, lo, full_lo, tile, dq_at, s_layout, pds_layout, True, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
-        if not ONE_LOOP:
-            dk, dv, i = _query_range(dk, dv, i, full_lo, full_hi, tile, dq_at, s_layout, pds_layout, False, VARIANT,
+        dk, dv, i = _query_range(dk, dv, i, full_lo, full_hi, tile, dq_at, s_layout, pds_layout, False, VARIANT,
+                                 ALIBI_ABS, WG, FUSED_DQ)
+        if MASK_LEFT_ & VARIANT:
+            dk, dv, i = _query_range(dk, dv, i, full_hi, hi, tile, dq_at, s_layout, pds_layout, True, VARIANT,
                                      ALIBI_ABS, WG, FUSED_DQ)
-            if MASK_LEFT_ & VARIANT:
-                dk, dv, i = _query_range(dk, dv, i, full_hi, hi, tile, dq_at, s_layout, pds_layout, True, VARIANT,
-                                         ALIBI_ABS, WG, FUSED_DQ)
-                i = release_unread(ring, i, hi_end, m_hi, ROWS)
+            i = release_unread(ring, i, hi_end, m_hi, ROWS)
     if FUSED_DQ:
         _drain_fused(fused, i)
     dv_scale = 1.0

@@ -235,6 +235,21 @@ def opaque(count):
 
 
 @gluon.jit
+def resident_index(count, INDEX: gl.constexpr, OPAQUE: gl.constexpr):
+    """The index INDEX of a resident buffer (one loaded before a loop, such as the dK/dV kernel's K
+    and V tiles), or with OPAQUE the same value as an int32 that LLVM cannot see is constant, formed
+    from ``count`` (the loop's tile count) in each iteration. Indexed by a constant, a wgmma's
+    descriptors of the buffer (one 64-bit value per k-step) are loop-invariant: LLVM hoists them and
+    holds them in registers across the loop, which ptxas may spill; indexed afresh, they are formed
+    again in each tile, in uniform registers (hopper_dkdv.OPAQUE_RESIDENT_RELEASES)."""
+    index = INDEX
+    if OPAQUE:
+        index = gl.inline_asm_elementwise(f"mov.b32 $0, {INDEX};", "=r,r", [count], dtype=gl.int32, is_pure=True,
+                                          pack=1)
+    return index
+
+
+@gluon.jit
 def make_ring(STAGES: gl.constexpr):
     """A ``Ring`` of STAGES buffers' barriers, initialised: "ready" completes on one arrival (the
     TMA's transaction count), "empty" on two (both consumer warpgroups)."""

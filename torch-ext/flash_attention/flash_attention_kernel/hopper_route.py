@@ -65,9 +65,10 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # "none"), one query head a KV head, and a query row seeing on average at least that many keys
 # (below, the two kernels win: 0.92x at head dim 128 causal with 1k tokens). Every release adds dQ
 # by TMA reductions (3.6 and 3.7 through hopper_gluon._tma_reduce_add). Under 3.6-3.8 the d128
-# causal kernel spilled more and ran 0.79-0.91x the two kernels (stops 64-65); with one masked loop
-# there (hopper_dkdv.ONE_LOOP_RELEASES, stop 66) 0.99x at 2k keys a row, 1.00x at 4k, 1.02x at 8k.
-_BEFORE_3_9 = {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024, (128, "causal"): 4096}
+# causal kernel spilled more and ran 0.79-0.91x the two kernels (stops 64-65), 0.99-1.02x with one
+# masked loop (stop 66); with its resident tiles indexed in each tile (hopper_dkdv.OPAQUE_RESIDENT_RELEASES,
+# stop 71) it runs 1.03x the two kernels at 1k keys a row under 3.6 and 1.06x at 2k.
+_BEFORE_3_9 = {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024, (128, "causal"): 1024}
 FUSED_DQ_MIN_KEYS = {  # release -> (head dim, mask) -> keys a row
     "3.9.": {(64, "none"): 512, (64, "causal"): 512, (128, "none"): 1024, (128, "causal"): 1024},
     "3.8.": _BEFORE_3_9,
