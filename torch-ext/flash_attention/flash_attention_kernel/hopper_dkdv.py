@@ -186,9 +186,11 @@ def _query_tile(dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, r
     dtype: gl.constexpr = q_bufs[0].dtype
     CHUNKS: gl.constexpr = len(q_bufs)  # (wgmmas per product)
     i = opaque(i)  # (the buffers' addresses from the count, not carried: hopper_gluon.opaque)
-    OPAQUE_RESIDENT: gl.constexpr = OPAQUE_RESIDENT_HERE and FUSED_DQ and (MASK_LEFT_ | MASK_RIGHT_) & VARIANT
-    k = chunks_at(k_smem, resident_index(i, WG, OPAQUE_RESIDENT))
-    v = chunks_at(v_smem, resident_index(i, WG, OPAQUE_RESIDENT))
+    BANDED: gl.constexpr = (MASK_LEFT_ | MASK_RIGHT_) & VARIANT  # (causal or windowed: some tiles cross a band edge)
+    OPAQUE_RESIDENT: gl.constexpr = OPAQUE_RESIDENT_HERE and FUSED_DQ and BANDED
+    own = resident_index(i, WG, OPAQUE_RESIDENT)  # (this warpgroup's K and V)
+    k = chunks_at(k_smem, own)
+    v = chunks_at(v_smem, own)
     idx = ring.index(i)
     ring.wait_ready(i)
     q = chunks_at(q_bufs, idx)
@@ -217,8 +219,7 @@ def _query_tile(dk, dv, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, r
                           VARIANT)
     dv = issue_into_chunks(gl.convert_layout(p_kept.to(dtype), OPERAND_LAYOUT), do, dv)
     ds_rounded = ds.to(dtype)
-    DK_FROM_SHARED: gl.constexpr = (DK_FROM_SHARED_HERE and FUSED_DQ and q_bufs[0].shape[2] == 128
-                                    and not ((MASK_LEFT_ | MASK_RIGHT_) & VARIANT))
+    DK_FROM_SHARED: gl.constexpr = DK_FROM_SHARED_HERE and FUSED_DQ and q_bufs[0].shape[2] == 128 and not BANDED
     if not DK_FROM_SHARED:  # (else _fused_dq issues it, from the dS^T it stores)
         dk = issue_into_chunks(gl.convert_layout(ds_rounded, OPERAND_LAYOUT), q, dk)
     if FUSED_DQ:
