@@ -82,7 +82,8 @@ def parse_copy(entry):
     for override in overrides:
         kernel, config = override.split("=")
         fields = config.split("x")
-        configs[kernel] = package.configs.TileConfig(*map(int, fields[:4]), tma="tma" in fields[4:])
+        configs[kernel] = package.configs.TileConfig(*map(int, fields[:4]), tma="tma" in fields[4:],
+                                                       q_per_tile="q" in fields[4:])
     return name, package, configs
 
 

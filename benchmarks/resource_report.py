@@ -20,7 +20,8 @@ would build it: tensor descriptors only from sm_90, warp specialisation only on 
 Usage: python benchmarks/resource_report.py [--arch 90] [--variant causal,softcap,...] [--ptx DIR]
            fwd bf16 128 128x64x8x3 [64x64x4x2xtma ...]
        (kernel in fwd, dkdv, dq, decode; dtype in bf16, fp16, fp32; head dim; BM x BN x warps x stages,
-       with "xtma" to read tiles through tensor descriptors, "xws" (fwd, dq) for the warp-specialised
+       with "xtma" to read tiles through tensor descriptors, "xq" (fwd) to read Q per key tile
+       (TileConfig.q_per_tile), "xws" (fwd, dq) for the warp-specialised
        loop, which reads through descriptors too; --arch: compute capability as one number (75, 80,
        86, 89, 90, 100, 120); --variant: the options compiled in, any of causal, window, softcap,
        alibi, sinks, dropout, tanh_approx, wide_products; --ptx: also write each kernel's PTX, without its debug
@@ -99,7 +100,7 @@ def _cuobjdump():
 
 
 def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, tma=False, variant=0,
-           specialized=False, ptx_path=None, arch=90):
+           specialized=False, ptx_path=None, arch=90, q_per_tile=False):
     kernel = KERNELS[kernel_name]
     if dtype == "fp32":  # (as launch.kernel_variant sets it for fp32 inputs)
         variant |= options.FP32_EXACT
@@ -113,7 +114,7 @@ def report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages
                       # rotated, split; HEAD_DIM rows of GROUP_SIZE 4 (as decode.attention_with_kvcache)
                       HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), SEQLENS_PER_BATCH=True,
                       HAS_BATCH_IDX=True, HAS_LEFTPAD=True, HAS_NEW=True, ROTARY_DIM=head_dim - head_dim % 2,
-                      INTERLEAVED=False, ROTATE_BY_ROW=True, SPLIT=True)
+                      INTERLEAVED=False, ROTATE_BY_ROW=True, SPLIT=True, Q_PER_TILE=q_per_tile)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     signature = _signature(kernel, dtype, constexprs)
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -168,13 +169,14 @@ class TableEntry:
     def compile(self) -> dict:
         c = self.config
         return report(self.kernel, self.dtype, self.head_dim, c.block_m, c.block_n, c.num_warps, c.num_stages,
-                      c.tma and self.arch >= 90, self.variant, self.specialized, arch=self.arch)
+                      c.tma and self.arch >= 90, self.variant, self.specialized, arch=self.arch,
+                      q_per_tile=c.q_per_tile)
 
     def __str__(self) -> str:
         c = self.config
         return (f"{self.gpu} sm_{self.arch} {self.kernel} {self.dtype} d{self.head_dim} "
                 f"{c.block_m}x{c.block_n}x{c.num_warps}x{c.num_stages}{'xtma' if c.tma and self.arch >= 90 else ''}"
-                f"{'xws' if self.specialized else ''}")
+                f"{'xws' if self.specialized else ''}{'xq' if c.q_per_tile else ''}")
 
 
 def table_entries(gpu: configs.GpuClass, as_run: bool = False) -> list:
@@ -290,7 +292,7 @@ def main(argv):
         try:
             ptx_path = ptx_dir / f"{kernel_name}-{dtype}-d{head_dim}-v{variant}-{config}.ptx" if ptx_dir else None
             result = report(kernel_name, dtype, head_dim, block_m, block_n, num_warps, num_stages, "tma" in fields[4:],
-                            variant, "ws" in fields[4:], ptx_path, arch)
+                            variant, "ws" in fields[4:], ptx_path, arch, "q" in fields[4:])
         except Exception as error:
             print(f"{kernel_name} {dtype} d{head_dim} {config}: failed ({type(error).__name__}: {str(error)[:200]})")
             continue

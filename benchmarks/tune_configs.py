@@ -3,7 +3,8 @@
 Run on the target GPU. It tunes the tl kernels, so every pass runs its tl kernel (configs.set_override
 with implementation "tl", the planner's hook: on Hopper the Gluon kernels would take the d64/d128
 calls it times). For each kernel (fwd, bwd_dkdv, bwd_dq), head
-dim and mask (causal or not) it times a short list of candidate configs, each with and without tensor descriptors (TMA),
+dim and mask (causal or not) it times a short list of candidate configs, each with and without tensor descriptors (TMA;
+before Hopper without, and each forward tile also with Q read per key tile, TileConfig.q_per_tile),
 on the benchmark's shape (16k tokens, hidden 2048, N = --seqlen, 4096 by default, bf16; stored
 (batch, heads, seqlen, dim) as the benchmark passes them, or --layout bshd), checks that each
 candidate computes what the current table entry computes, and reports the fastest next to the
@@ -62,24 +63,30 @@ _TILES = {
                (128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 8, 4),
                (128, 32, 4, 4), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
 }
-CANDIDATES = {kernel: [tile + (tma,) for tile in tiles for tma in (False, True)] for kernel, tiles in _TILES.items()}
+# (BLOCK_M, BLOCK_N, warps, stages, tma, q_per_tile), configs.TileConfig's fields
+CANDIDATES = {kernel: [tile + (tma, False) for tile in tiles for tma in (False, True)] for kernel, tiles in _TILES.items()}
 # Warp-specialised loops read every tile through descriptors (tma=True); the dQ kernel only
 # compiles with 8 warps (docs/design.md#warp-specialised-tl-loops), the dK/dV kernel not at all.
 WARP_SPECIALIZED_CANDIDATES = {
-    "fwd": [(128, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 128, 4, 2, True), (128, 128, 8, 2, True),
-            (128, 64, 8, 2, True)],
-    "bwd_dq": [(128, 64, 8, 2, True), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (64, 128, 8, 2, True)],
+    "fwd": [(128, 64, 4, 2, True, False), (128, 64, 4, 3, True, False), (128, 128, 4, 2, True, False),
+            (128, 128, 8, 2, True, False), (128, 64, 8, 2, True, False)],
+    "bwd_dq": [(128, 64, 8, 2, True, False), (128, 128, 8, 2, True, False), (128, 64, 8, 3, True, False),
+               (64, 128, 8, 2, True, False)],
 }
 
 
 def _candidates(specialized):
     """The candidate configs per kernel; without tensor descriptors where this GPU has none
-    (before Hopper, or a GPU emulating one: there the tma flag would time the same kernel twice)."""
+    (before Hopper, or a GPU emulating one: there the tma flag would time the same kernel twice),
+    and there each forward tile also with Q read per key tile (q_per_tile: mma.sync holds a
+    loop-invariant Q in registers, wgmma reads it from shared memory anyway)."""
     if specialized:
         return WARP_SPECIALIZED_CANDIDATES
     if torch.cuda.get_device_capability()[0] >= 9:
         return CANDIDATES
-    return {kernel: [config for config in configs if not config[-1]] for kernel, configs in CANDIDATES.items()}
+    plain = {kernel: [config for config in configs if not config[4]] for kernel, configs in CANDIDATES.items()}
+    plain["fwd"] += [config[:5] + (True,) for config in plain["fwd"]]
+    return plain
 
 
 def _inputs(head_dim, seqlen, layout, dtype=torch.bfloat16):

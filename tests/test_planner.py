@@ -266,6 +266,23 @@ def test_planner_override_reaches_the_warp_specialised_loop(kernels, monkeypatch
         assert forward.config == tile and not forward.specialized
 
 
+@pytest.mark.parametrize("head_dim, seqlen_q, seqlen_k, options", [
+    (64, 113, 203, dict(causal=True)), (80, 203, 113, dict()), (40, 97, 97, dict(window_left=16, window_right=8)),
+])
+def test_forward_reads_q_per_tile_as_it_holds_it(kernels, head_dim, seqlen_q, seqlen_k, options):
+    """TileConfig.q_per_tile (Q read again for each key tile, the A100 class's d64 forward) gives
+    the forward of Q held across the loop bitwise: the same products in the same order. GQA,
+    seqlen_q != seqlen_k, head-dim chunks (80 = 64 + 16), partial tiles, masks."""
+    attention, layout, q, k, v, dout = _call(kernels, FP16, head_dim, seqlen_q, seqlen_k, **options)
+    results = []
+    for q_per_tile in (False, True):
+        with kernels.planner.override("fwd", kernels.configs.TileConfig(32, 16, 4, 2, q_per_tile=q_per_tile)):
+            results.append(kernels.attention_forward(q, k, v, attention))
+    (out, lse), (again, again_lse) = results
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
 def test_planner_launchers_launch_what_it_plans(kernels, gluon_fits, monkeypatch):
     """attention_forward / attention_backward launch the planned kernels with the planned configs:
     Gluon stand-ins get their GluonConfig (the backward's delta then from the dQ kernel, the first),

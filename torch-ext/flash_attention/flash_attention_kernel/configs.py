@@ -24,13 +24,17 @@ import torch
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile shape of one kernel: BLOCK_M query rows x BLOCK_N key rows."""
+    """Tile shape of one kernel: BLOCK_M query rows x BLOCK_N key rows. ``tma``: tiles read through
+    tensor descriptors where the GPU and the inputs allow it. ``q_per_tile`` (forward only): Q read
+    again for each key tile, staged through shared memory beside K and V, instead of held in
+    registers across the loop (on mma.sync at head dim 64, docs/design.md#config-rules)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     tma: bool = False
+    q_per_tile: bool = False
 
     def launch_args(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
@@ -257,7 +261,8 @@ _SM100 = ConfigTable(
 # emulating an A100 (mma.sync, 163 KB; N = 4096, 16k tokens, bf16; docs/design.md#config-rules): four warps win
 # every kernel there, 1.04-1.23x over FlashAttention-2's eight-warp shapes. The other widths keep
 # FlashAttention-2's A100 shapes where they fit with few spills (resource_report.py --arch 80).
-# Not timed on an A100.
+# The non-causal d64 forward reads Q per key tile (stop 72: 1.006-1.017x the held Q at N = 2k-16k,
+# where causal lost 0.5-2.7 %; docs/design.md#config-rules). Not timed on an A100.
 _SM80 = ConfigTable(
     two_byte=_any_mask({
         ("fwd", 16): TileConfig(64, 64, 4, 3),
@@ -275,7 +280,7 @@ _SM80 = ConfigTable(
         ("bwd_dq", 64): TileConfig(128, 32, 4, 3),
         ("bwd_dq", 128): TileConfig(128, 32, 4, 3),
         ("bwd_dq", 256): TileConfig(64, 32, 8, 2),
-    }),
+    }) | {("fwd", 64, "none"): TileConfig(128, 64, 4, 3, q_per_tile=True)},
     fp32=_SM90.fp32,
 )
 

@@ -209,19 +209,19 @@ def _decode_kernel(
     no_skip = (split_hi, 0)
     if MASK_LEFT & VARIANT:
         acc_a, acc_b, row_sum, row_max = forward_key_loop(
-            acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_source, v_source, stride_kn, stride_vn,
+            acc_a, acc_b, row_sum, row_max, q_a, q_b, None, k_base, v_base, k_source, v_source, stride_kn, stride_vn,
             queries, split_lo, tl.minimum(split_hi, full_lo), no_skip, seqlen_k, diag, window, score, dropout,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, False, False, PAGE_SIZE,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, False, False, PAGE_SIZE, False,
         )
     acc_a, acc_b, row_sum, row_max = forward_key_loop(
-        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_source, v_source, stride_kn, stride_vn,
+        acc_a, acc_b, row_sum, row_max, q_a, q_b, None, k_base, v_base, k_source, v_source, stride_kn, stride_vn,
         queries, tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), no_skip, seqlen_k, diag, window, score,
-        dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, False, False, PAGE_SIZE,
+        dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, False, False, PAGE_SIZE, False,
     )
     acc_a, acc_b, row_sum, row_max = forward_key_loop(
-        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_source, v_source, stride_kn, stride_vn,
+        acc_a, acc_b, row_sum, row_max, q_a, q_b, None, k_base, v_base, k_source, v_source, stride_kn, stride_vn,
         queries, tl.maximum(split_lo, full_hi), split_hi, no_skip, seqlen_k, diag, window, score, dropout,
-        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, False, False, PAGE_SIZE,
+        BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, False, False, PAGE_SIZE, False,
     )
 
     empty_row = row_sum == 0.0

@@ -26,7 +26,10 @@ full range, then the masked one.
 
 On Hopper, dense calls with full tiles (bf16/fp16, head dim 64, 80, 96 or 128, any options) take the
 Gluon kernel ``hopper_forward`` instead (``planner.plan_forward``): the same math with warp roles and
-FlashAttention-3's overlap of each tile's softmax with the previous tile's P V product.
+FlashAttention-3's overlap of each tile's softmax with the previous tile's P V product. On
+mma.sync (the A100 and RTX classes) Triton holds the query tile in registers across the key loop;
+a config's ``q_per_tile`` reads it again for each key tile instead (Q_PER_TILE), which the
+non-causal d64 entry does (configs.py, docs/design.md#config-rules).
 
 Dense and variable-length batches share the kernel: with IS_VARLEN a program reads its sequence's
 first row and length from cu_seqlens, and programs past the end of a shorter sequence exit at once
@@ -84,24 +87,31 @@ def row_lse(row_max, row_sum, VARIANT: tl.constexpr):
 
 @triton.jit
 def forward_key_loop(
-    acc_a, acc_b, row_sum, row_max, q_a, q_b,
+    acc_a, acc_b, row_sum, row_max, q_a, q_b, q_source,
     k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
     offs_m, kv_start, kv_end, skip, seqlen_k, diag, window, score, dropout,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     MASKED: tl.constexpr, VARIANT: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, Q_PER_TILE: tl.constexpr,
 ):
     """Accumulate key tiles [kv_start, kv_end) into one query tile's output and row statistics.
     A window's masked loop (MASK_LEFT and MASKED) visits both band edges: ``skip`` = (from, by)
-    moves the tiles from key ``from`` on by ``by`` keys, over the full tiles between the edges."""
+    moves the tiles from key ``from`` on by ``by`` keys, over the full tiles between the edges.
+    Q is the query tile (q_a, q_b) held across the loop, or with Q_PER_TILE read again for each
+    key tile from ``q_source`` (``load_tile_from``'s descriptors, base, first row, row stride and
+    row count), which the pipeline stages through shared memory beside K and V."""
     offs_n = tl.arange(0, BLOCK_N)
     for tile_start in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tile_start
         if (MASK_LEFT & VARIANT) and MASKED:
             start_n = tl.where(tile_start >= skip[0], tile_start + skip[1], tile_start)
+        if Q_PER_TILE:
+            tile_q_a, tile_q_b = load_tile_from(*q_source, offs_m.shape[0], HEAD_DIM, DIM_A, DIM_B, True, USE_TMA)
+        else:
+            tile_q_a, tile_q_b = q_a, q_b
         k_a, k_b = load_kv_tile(k_descs, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, DIM_A, DIM_B,
                                 MASKED, USE_TMA, PAGE_SIZE)
-        qk = mma_over_head(q_a, q_b, k_a, k_b, DIM_B, PRECISION)
+        qk = mma_over_head(tile_q_a, tile_q_b, k_a, k_b, DIM_B, PRECISION)
         cols = (start_n + offs_n)[None, :]
         s, _ = logits(qk, offs_m[:, None], cols, seqlen_k, diag, window, score, MASKED, VARIANT)
         unit = logit_unit(score, VARIANT)
@@ -147,7 +157,7 @@ def _attn_fwd_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_A: tl.constexpr, DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARIANT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, Q_PER_TILE: tl.constexpr,
 ):
     """PAGE_SIZE > 0: K and V are paged caches (pages, PAGE_SIZE, heads_k, head_dim), stride_kb and
     stride_vb their page strides, sequence b's key rows listed by row b of BlockTable (varlen), its
@@ -178,29 +188,30 @@ def _attn_fwd_kernel(
         K, V, batch, kv_head, k_first, tl.num_programs(1) // GROUP_SIZE, seqlen_k, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, BlockTable, stride_table, num_pages, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, USE_TMA,
         WARP_SPECIALIZE, PAGE_SIZE)
-    q_a, q_b = load_tile_from(q_descs, q_base, start_m, stride_qm, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True,
-                              USE_TMA)
+    q_source = (q_descs, q_base, start_m, stride_qm, seqlen_q)
+    q_a, q_b = load_tile_from(*q_source, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, True, USE_TMA)  # (unused with Q_PER_TILE)
 
     lo, full_lo, full_hi, hi = key_tile_ranges(start_m, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, VARIANT)
     acc_a = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, DIM_B if DIM_B > 0 else 16], dtype=tl.float32)
     row_max, row_sum = row_start(sink_log2, score, BLOCK_M, VARIANT)
     acc_a, acc_b, row_sum, row_max = forward_key_loop(
-        acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+        acc_a, acc_b, row_sum, row_max, q_a, q_b, q_source, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
         offs_m, full_lo, full_hi, (0, 0), seqlen_k, diag, window, score, dropout,
         BLOCK_N, HEAD_DIM, DIM_A, DIM_B, False, VARIANT, PRECISION, USE_TMA, WARP_SPECIALIZE, PAGE_SIZE,
+        Q_PER_TILE,
     )
     if MASK_LEFT & VARIANT:  # a window: the tiles crossing either band edge, in one loop
         acc_a, acc_b, row_sum, row_max = forward_key_loop(
-            acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            acc_a, acc_b, row_sum, row_max, q_a, q_b, q_source, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, lo, full_lo + (hi - full_hi), (full_lo, full_hi - full_lo), seqlen_k, diag, window, score,
-            dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE,
+            dropout, BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE, Q_PER_TILE,
         )
     elif not WARP_SPECIALIZE:  # (no masked tiles there; a second loop would fail to compile)
         acc_a, acc_b, row_sum, row_max = forward_key_loop(
-            acc_a, acc_b, row_sum, row_max, q_a, q_b, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
+            acc_a, acc_b, row_sum, row_max, q_a, q_b, q_source, k_base, v_base, k_descs, v_descs, stride_kn, stride_vn,
             offs_m, full_hi, hi, (0, 0), seqlen_k, diag, window, score, dropout,
-            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE,
+            BLOCK_N, HEAD_DIM, DIM_A, DIM_B, True, VARIANT, PRECISION, USE_TMA, False, PAGE_SIZE, Q_PER_TILE,
         )
 
     empty_row = row_sum == 0.0
@@ -261,7 +272,7 @@ def attention_forward(q, k, v, options: AttentionOptions, cu_seqlens_q=None, cu_
             IS_VARLEN=layout.is_varlen,
             PRECISION=precision_mode(q.dtype, interpreted),
             USE_TMA=plan.tl.tma, WARP_SPECIALIZE=specialized, PAGE_SIZE=layout.page_size,
-            **config.launch_args(),
+            Q_PER_TILE=config.q_per_tile, **config.launch_args(),
         )
 
     launch_fitting(plan.tl, launch)
