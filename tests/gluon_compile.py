@@ -11,7 +11,9 @@ with ``importlib.import_module(name + ".flash_attention_kernel.hopper_...")``), 
 head-dim chunks) and sets ``function``, ``signature`` and ``constants`` for
 ``GluonASTSource``. With GLUON_PTX_DIR set, each compiled kernel's PTX (its code, without debug
 sections and line records) is also written there, named by the kernel and the arguments, so that
-two trees' Gluon kernels compare with ``diff -r``: identical files, identical kernels.
+two trees' Gluon kernels compare with ``diff -r``: identical files, identical kernels; and a
+``.res`` file of the same name with its shared memory, spill stores (STL in the SASS), HGMMAs and
+wgmma waits.
 """
 
 import importlib
@@ -67,6 +69,9 @@ if os.environ.get("GLUON_PTX_DIR"):  # the code alone (resource_report's cut), t
     from resource_report import _code_only
     ptx_name = "_".join([function.__name__, *args]).replace("/", "-") + ".ptx"
     (pathlib.Path(os.environ["GLUON_PTX_DIR"]) / ptx_name).write_text(_code_only(compiled.asm["ptx"]))
+    # (beside it, what the kernel holds: shared memory, and its spills as local stores in the SASS)
+    (pathlib.Path(os.environ["GLUON_PTX_DIR"]) / ptx_name.replace(".ptx", ".res")).write_text(
+        f"shared {compiled.metadata.shared} spill_stores {sass.count('STL')} hgmma {hgmma} waits {waits}\\n")
 """
 
 

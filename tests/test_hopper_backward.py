@@ -95,9 +95,15 @@ if kernel == "dkdv":
         seqlen_q="i32", diag="i32", num_heads="i32", dq_batch_rows="i32", dq_head_rows="i32", dq_head_cols="i32")
     function = module._dkdv_kernel
     extra = dict(FUSED_DQ=fused)
-    if fused:  # (the fp32 accumulator's boxes: 64 rows by DQ_BOX_COLUMNS, attention_dkdv)
+    second_chunk = importlib.import_module(name + ".flash_attention_kernel.configs").head_dim_chunks(head_dim)[1]
+    if fused:  # (the fp32 accumulator's boxes: 64 rows by DQ_BOX_COLUMNS, and by a second chunk's width)
         arguments["dq_target"] = f"tensordesc<fp32[64, {module.DQ_BOX_COLUMNS}],{module.DQ_STAGE_LAYOUT!r}>"
-    else:
+        if second_chunk:
+            layout = module.dq_stage_layout(second_chunk)
+            arguments["dq_target_b"] = f"tensordesc<fp32[64, {second_chunk}],{layout!r}>"
+    if not fused or not second_chunk:
+        extra["dq_target_b"] = None
+    if not fused:
         extra["dq_target"] = None
 else:
     arguments = dict(
@@ -148,7 +154,9 @@ def _assert_kernel_compiles(fa, kernel, head_dim, group, options):
 @pytest.mark.parametrize("head_dim, group, options", [
     (128, 1, dict(causal=True)), (128, 1, {}), (64, 1, dict(causal=True)), (64, 2, {}),
     (128, 2, dict(causal=True, window_left=256, softcap=30.0, alibi=True)),
-], ids=["d128-causal", "d128-plain", "d64-causal", "d64-gqa", "d128-gqa-window-softcap-alibi"])
+    (96, 1, dict(causal=True)), (96, 1, {}), (80, 1, dict(causal=True)), (80, 2, dict(window_left=256, softcap=30.0)),
+], ids=["d128-causal", "d128-plain", "d64-causal", "d64-gqa", "d128-gqa-window-softcap-alibi", "d96-causal",
+        "d96-plain", "d80-causal", "d80-gqa-window-softcap"])
 def test_fused_dq_compiles_for_hopper(fa, head_dim, group, options):
     """The dK/dV kernel with FUSED_DQ compiles to an sm_90 cubin within 227 KB, its wgmmas
     pipelined, dQ added by TMA reductions (on the CPU, ``scripts/triton_matrix.py --checks gluon
@@ -232,7 +240,9 @@ def test_matches_reference_and_tl_kernel(fa, monkeypatch, name, make, causal, ta
 
 FUSED_CASES = [case for case in CASES if case[0] in ("gqa-causal", "gqa4-full", "fewer-queries-causal",
                                                       "more-queries-causal", "odd-query-tile-causal", "bhsd-view",
-                                                      "qkv-packed", "d64-gqa-causal", "d64-more-queries")]
+                                                      "qkv-packed", "d64-gqa-causal", "d64-more-queries",
+                                                      "d96-gqa-causal", "d80-gqa4-full", "d96-qkv-packed",
+                                                      "d80-bhsd-more-queries")]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels run on Hopper GPUs only")

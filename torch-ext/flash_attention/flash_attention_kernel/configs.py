@@ -357,8 +357,9 @@ GLUON_STAGES = {
 GLUON_WINDOW_STAGES = {("bwd_dkdv", 64): 4, ("bwd_dkdv", 80): 4, ("bwd_dkdv", 96): 4, ("bwd_dkdv", 128): 4}
 # The fused dK/dV/dQ kernel's ring per head dim (hopper_route.fused_chosen), every mask: its dS^T and
 # dQ staging buffers take 64 KB more (d128: 198 KB at 2 stages, 231 KB at 3, past sm_90's 227; d64:
-# 164 KB at 4)
-GLUON_FUSED_STAGES = {64: 4, 128: 2}
+# 164 KB at 4; d80 and d96, whose dQ is formed in two head-dim chunks: 199 KB at 4 and 207 KB at 3,
+# no spill stores under 3.7.1)
+GLUON_FUSED_STAGES = {64: 4, 80: 4, 96: 3, 128: 2}
 
 
 @dataclass(frozen=True)

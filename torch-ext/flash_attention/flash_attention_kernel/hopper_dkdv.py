@@ -59,7 +59,7 @@ from .hopper_gluon import (
     make_ring, opaque, operand_layout, option_arguments, release_unread, resident_index, store_chunks, tile_arguments,
     tile_logits, tile_logits_grad, tma_atomic_add, tma_load, vector_descriptor, wait_chunk_pairs, zero_chunks,
 )
-from .configs import GLUON_TILES, GluonConfig
+from .configs import GLUON_TILES, GluonConfig, head_dim_chunks
 from .direct_launch import launcher
 from .launch import RowGeometry, SequenceLayout
 from .options import AttentionOptions
@@ -87,18 +87,24 @@ def attention_dkdv(dout, q, k, v, lse, delta, dk, dv, options: AttentionOptions,
     rows, keys = config.query_tile, config.key_tile // 2  # (keys per consumer warpgroup)
     stats = [vector_descriptor(x, rows, STAT_LAYOUT) for x in (_tma_vector(lse), _tma_vector(delta))]
     arguments, constexprs = option_arguments(options, q)
-    dq_target, dq_geometry = None, (0, 0, 0)
+    dq_target, dq_target_b, dq_geometry = None, None, (0, 0, 0)
     if dq_accum is not None:
         # (contiguous fp32 in q's shape: rows of heads * head_dim, in boxes of DQ_BOX_COLUMNS; one
-        # consumer warpgroup adds 64 columns of a tile's dQ, half of head dim 128, all of 64)
+        # consumer warpgroup adds 64 columns of a tile's dQ, half of head dim 128, all of the first
+        # chunk's 64 at 64, 80 and 96, and there the second chunk's 16 or 32 as one box of its own)
         assert dq_accum.is_contiguous() and dq_accum.dtype == torch.float32
         g = RowGeometry.of(dq_accum, layout)
         dq_target = flat_descriptor(dq_accum, (g.num_rows, g.stride_row), (rows, DQ_BOX_COLUMNS), DQ_STAGE_LAYOUT)
+        second_chunk = head_dim_chunks(q.shape[-1])[1]
+        if second_chunk:
+            dq_target_b = flat_descriptor(dq_accum, (g.num_rows, g.stride_row), (rows, second_chunk),
+                                          dq_stage_layout(second_chunk))
         dq_geometry = (g.batch_rows, g.head_rows, g.head_cols)
     launcher(_dkdv_kernel)[(seqlen_k // config.key_tile, num_heads_kv, batch)](
         *tile_arguments((q, k, v, dout), layout, (rows, keys, keys, rows)),
         *stats, dk, dv, *layout.strides(dk), *layout.strides(dv),
-        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_target, *dq_geometry,
+        layout.seqlen_q, layout.seqlen_k - layout.seqlen_q, q.shape[2], *arguments, dq_target, dq_target_b,
+        *dq_geometry,
         GROUP_SIZE=q.shape[2] // num_heads_kv, STAGES=config.stages, **constexprs, FUSED_DQ=dq_accum is not None,
         num_warps=4,
     )
@@ -121,6 +127,15 @@ STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, ra
 # (docs/design.md#fused-dq-in-the-gluon-dkdv-kernel)
 DQ_BOX_COLUMNS = 32
 DQ_STAGE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+
+def dq_stage_layout(columns: int):
+    """The fp32 staging layout of a box of dQ ``columns`` wide: swizzled over its whole row (a
+    box's row may not exceed the swizzle), DQ_STAGE_LAYOUT at 32 columns, 64 bytes at head dim
+    80's second chunk of 16."""
+    return DQ_STAGE_LAYOUT if columns == DQ_BOX_COLUMNS else gl.NVMMASharedLayout(
+        swizzle_byte_width=columns * 4, element_bitwidth=32, rank=2)
+
 # The releases under which the fused kernel, on a masked call, indexes its resident K and V tiles (and
 # both warpgroups' K for dQ) through hopper_gluon.resident_index in each query tile (_query_tile's
 # OPAQUE_RESIDENT). Indexed once, their wgmma descriptors (one 64-bit value per k-step, loop-invariant)
@@ -255,19 +270,21 @@ def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, k_at, WG: gl.constexpr, ISSU
     shared memory; dQ is formed over all 128 keys of the program from there, staged in shared
     memory and added by reductions (``_add_dq``). At head dim 128
     each warpgroup forms half of dQ's columns once both dS^T are in (FlashAttention-3's split);
-    at 64, whose 64-column K tiles cannot be split at a 128-byte swizzle boundary, the
-    warpgroups take whole tiles in turn (the tile's parity), so that only the one forming dQ
-    waits for the other's dS^T.
-    ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all [2, KEYS, D]: both
-    warpgroups' keys, dq_stage [4, ROWS, DQ_BOX] fp32: (warpgroup, box), ds_ready and ds_free
-    [2, 1] mbarriers, dq_target, softmax_scale); ``dq_at`` = (row, column) of the tile's dQ in
-    dq_accum's rows; ``k_at``: the indices of the two warpgroups' keys in k_all (``resident_index``)."""
-    ds_bufs, k_all, dq_stage, ds_ready, ds_free, dq_target, softmax_scale = fused
+    at 64, whose 64-column K tiles cannot be split at a 128-byte swizzle boundary, and at 80 and
+    96, whose two chunks (64 + 16, 64 + 32) cannot be halved either, the warpgroups take whole
+    tiles in turn (the tile's parity), so that only the one forming dQ waits for the other's dS^T.
+    ``fused`` = (ds_bufs [4, KEYS, ROWS]: (tile parity, warpgroup), k_all: both warpgroups' keys,
+    [2, KEYS, width] per head-dim chunk, dq_stages: fp32 staging per chunk, [4, ROWS, DQ_BOX]
+    (warpgroup, box) for the first and [2, ROWS, width] (warpgroup) for a second, ds_ready and
+    ds_free [2, 1] mbarriers, dq_targets: the accumulator's descriptors per chunk, softmax_scale);
+    ``dq_at`` = (row, column) of the tile's dQ in dq_accum's rows; ``k_at``: the indices of the two
+    warpgroups' keys in k_all (``resident_index``)."""
+    ds_bufs, k_all, dq_stages, ds_ready, ds_free, dq_targets, softmax_scale = fused
     dq_row, dq_col = dq_at
-    WIDTH: gl.constexpr = 2 * dq_stage.shape[2]  # (dQ columns one warpgroup forms: two boxes)
-    SPLIT: gl.constexpr = k_all.shape[2] == 2 * WIDTH
+    WIDTH: gl.constexpr = 2 * dq_stages[0].shape[2]  # (dQ columns of the first chunk one warpgroup forms: two boxes)
+    SPLIT: gl.constexpr = k_all[0].shape[2] == 2 * WIDTH
     gl.static_assert(SPLIT or not ISSUE_DK, "dK from the stored dS^T is the head-dim-128 kernel's")
-    gl.static_assert(SPLIT or k_all.shape[2] == WIDTH, "the fused dQ holds head dims 64 and 128")
+    gl.static_assert(SPLIT or k_all[0].shape[2] == WIDTH, "the fused dQ's first head-dim chunk is 64 or 128 wide")
     parity = i % 2
     phase = (i // 2) & 1
     # the buffers of this parity are free once the dQ products that read them two tiles ago have finished
@@ -279,22 +296,36 @@ def _fused_dq(dk, dv, ds, q, ring, i, fused, dq_at, k_at, WG: gl.constexpr, ISSU
     mbarrier.arrive(ds_ready.index(parity), count=1)
     if SPLIT:
         mbarrier.wait(ds_ready.index(parity), phase)
-        acc = _dq_product(ds_bufs, k_all, k_at, parity, WG * WIDTH, WIDTH)
-        dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
+        acc = _dq_product(ds_bufs, parity, k_all[0], k_at, WG * WIDTH, WIDTH)
+        dk, dv, acc = _wait_with_dq(dk, dv, (acc,))
         mbarrier.arrive(ds_free.index(parity), count=1)
         ring.release(i)
-        _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_target, dq_row, dq_col + WG * WIDTH)
+        _add_dq(acc, softmax_scale, dq_stages, WG, dq_targets, dq_row, dq_col + WG * WIDTH)
     else:
         if parity == WG:  # (this warpgroup's turn)
             mbarrier.wait(ds_ready.index(parity), phase)
-            acc = _dq_product(ds_bufs, k_all, k_at, parity, 0, WIDTH)
-            dk0, dv0, acc = warpgroup_mma_wait(0, deps=(dk[0], dv[0], acc))
+            acc = (_dq_product(ds_bufs, parity, k_all[0], k_at, 0, WIDTH),)
+            if len(k_all) > 1:
+                acc = (acc[0], _dq_product(ds_bufs, parity, k_all[1], k_at, 0, k_all[1].shape[2]))
+            dk_done, dv_done, acc = _wait_with_dq(dk, dv, acc)
             mbarrier.arrive(ds_free.index(parity), count=1)
-            _add_dq(acc * softmax_scale, dq_stage, 2 * WG, dq_target, dq_row, dq_col)
+            _add_dq(acc, softmax_scale, dq_stages, WG, dq_targets, dq_row, dq_col)
         else:
-            dk0, dv0 = warpgroup_mma_wait(0, deps=(dk[0], dv[0]))
+            dk_done, dv_done = wait_chunk_pairs(0, dk, dv)
         ring.release(i)
-    return (dk0,), (dv0,)
+        dk, dv = dk_done, dv_done
+    return dk, dv
+
+@gluon.jit
+def _wait_with_dq(dk, dv, dq):
+    """The tile's dK, dV and dQ products (each a tuple per head-dim chunk) finished: (dk, dv, dq)."""
+    if len(dq) == 1:
+        a, b, c = warpgroup_mma_wait(0, deps=(dk[0], dv[0], dq[0]))
+        done = ((a,), (b,), (c,))
+    else:
+        a, a2, b, b2, c, c2 = warpgroup_mma_wait(0, deps=(dk[0], dk[1], dv[0], dv[1], dq[0], dq[1]))
+        done = ((a, a2), (b, b2), (c, c2))
+    return done
 
 @gluon.jit
 def _drain_fused(fused, count):
@@ -309,29 +340,35 @@ def _drain_fused(fused, count):
         mbarrier.wait(ds_free.index((count - 2) % 2), ((count - 2) // 2) & 1)
 
 @gluon.jit
-def _dq_product(ds_bufs, k_all, k_at, parity, first_col, WIDTH: gl.constexpr):
-    """dS [ROWS, 128 keys] times the program's K at columns first_col.. (WIDTH of them), from both
-    warpgroups' dS^T of this parity (their keys at k_all's indices ``k_at``); in flight."""
+def _dq_product(ds_bufs, parity, k_chunk, k_at, first_col, WIDTH: gl.constexpr):
+    """dS [ROWS, 128 keys] times the program's K at columns first_col.. (WIDTH of them) of one
+    head-dim chunk (``k_chunk``: both warpgroups' keys, at its indices ``k_at``), from both
+    warpgroups' dS^T of this parity; in flight."""
     acc = gl.zeros([ROWS, WIDTH], gl.float32, accumulator_layout(WIDTH))
-    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_all.index(k_at[0]).slice(first_col, WIDTH, 1),
+    acc = warpgroup_mma(ds_bufs.index(parity * 2).permute((1, 0)), k_chunk.index(k_at[0]).slice(first_col, WIDTH, 1),
                         acc, use_acc=False, is_async=True)
     return warpgroup_mma(ds_bufs.index(parity * 2 + 1).permute((1, 0)),
-                         k_all.index(k_at[1]).slice(first_col, WIDTH, 1), acc, is_async=True)
+                         k_chunk.index(k_at[1]).slice(first_col, WIDTH, 1), acc, is_async=True)
 
 @gluon.jit
-def _add_dq(dq, stages, first, dq_target, row, col):
-    """Add fp32 ``dq`` [ROWS, 2 * DQ_BOX] at (row, col) of the accumulator's rows (``dq_target``:
-    its descriptor), staged as two boxes in ``stages`` first and first + 1, by two TMA reductions,
-    one a box. (The accumulator layout holds each column's bit 5 in registers, so the split into
-    boxes moves no data.)"""
-    BOX: gl.constexpr = stages.shape[2]
-    left, right = dq.reshape([ROWS, 2, BOX]).permute((0, 2, 1)).split()
+def _add_dq(dq, scale, stages, WG: gl.constexpr, dq_targets, row, col):
+    """Add fp32 ``dq`` times ``scale`` at (row, col) of the accumulator's rows by TMA reductions:
+    its first chunk (2 * DQ_BOX columns) staged as two boxes in stages[0]'s buffers 2 WG and 2 WG + 1,
+    a second chunk (head dims 80 and 96) as one box in stages[1]'s buffer WG; ``dq_targets``: the
+    accumulator's descriptors for those boxes. (The accumulator layout holds each column's bit 5
+    in registers, so the split into boxes moves no data.)"""
+    BOX: gl.constexpr = stages[0].shape[2]
+    left, right = (dq[0] * scale).reshape([ROWS, 2, BOX]).permute((0, 2, 1)).split()
     tma.store_wait(0)  # (the last reductions have read the staging buffers)
-    stages.index(first).store(left)
-    stages.index(first + 1).store(right)
+    stages[0].index(2 * WG).store(left)
+    stages[0].index(2 * WG + 1).store(right)
+    if len(dq) > 1:
+        stages[1].index(WG).store(dq[1] * scale)
     fence_async_shared()
-    tma_atomic_add(dq_target, [row, col], stages.index(first))
-    tma_atomic_add(dq_target, [row, col + BOX], stages.index(first + 1))
+    tma_atomic_add(dq_targets[0], [row, col], stages[0].index(2 * WG))
+    tma_atomic_add(dq_targets[0], [row, col + BOX], stages[0].index(2 * WG + 1))
+    if len(dq) > 1:
+        tma_atomic_add(dq_targets[1], [row, col + 2 * BOX], stages[1].index(WG))
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ring,
@@ -399,14 +436,15 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
                  stride_dvb, stride_dvh, stride_dvn, seqlen_q, diag, num_heads,
                  score_scale, softcap_log2, softmax_scale, window_left, window_right,
                  AlibiSlopes, stride_alibi_b, RngState, dropout_threshold, dropout_scale,
-                 dq_target, dq_batch_rows, dq_head_rows, dq_head_cols,
+                 dq_target, dq_target_b, dq_batch_rows, dq_head_rows, dq_head_cols,
                  GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr,
                  VARIANT: gl.constexpr, ALIBI_ABS: gl.constexpr, FUSED_DQ: gl.constexpr):
     """The descriptors and the geometry are ``hopper_gluon.tile_arguments``' (the ``_b`` ones of
     the second head-dim chunk, or None); the arguments after num_heads are
     ``hopper_gluon.option_arguments``', VARIANT and ALIBI_ABS its constexprs. With FUSED_DQ,
-    dq_target is the fp32 accumulator's descriptor (``attention_dkdv``) and the dq_ geometry its
-    rows' (``launch.RowGeometry``); else None and zeros."""
+    dq_target is the fp32 accumulator's descriptor in boxes of DQ_BOX columns, dq_target_b in boxes
+    of the second head-dim chunk (None at head dims 64 and 128; ``attention_dkdv``) and the dq_
+    geometry its rows' (``launch.RowGeometry``); else None, None and zeros."""
     start_key = gl.program_id(0) * (2 * KEYS)
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -438,12 +476,17 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, q_desc_b, k_desc_b, v_desc_b, 
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, ROWS], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, ROWS], ds_layout)
         dq_stage = gl.allocate_shared_memory(gl.float32, [4, ROWS, DQ_BOX], DQ_STAGE_LAYOUT)  # (_fused_dq)
+        if dq_target_b is None:
+            dq_stages = (dq_stage,)
+        else:  # (the second head-dim chunk's box, one a warpgroup)
+            dq_stages = (dq_stage, gl.allocate_shared_memory(gl.float32, [2] + dq_target_b.block_type.shape,
+                                                              dq_target_b.layout))
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(2):  # (at head dim 64 one warpgroup reads a parity's dS^T: _fused_dq)
             mbarrier.init(ds_ready.index(b), count=2)
             mbarrier.init(ds_free.index(b), count=2 if k_smem[0].shape[2] == 2 * KEYS else 1)
-        fused = (ds_bufs, k_smem[0], dq_stage, ds_ready, ds_free, dq_target, softmax_scale)
+        fused = (ds_bufs, k_smem, dq_stages, ds_ready, ds_free, (dq_target, dq_target_b), softmax_scale)
     dq_rows = (batch * dq_batch_rows + head * dq_head_rows, dq_head_rows, head * dq_head_cols, dq_head_cols)
     # (each partition's arguments spelled out: adding tuples would turn the constexprs into ints)
     gl.warp_specialize([

@@ -81,9 +81,10 @@ PLAIN_MASKS = {(-1, -1): "none", (-1, 0): "causal"}  # AttentionOptions.window -
 def fused_chosen(options: AttentionOptions, layout: SequenceLayout, interpreted: bool, tensors) -> bool:
     """Whether the backward is to take the fused dK/dV/dQ kernel, where ``fused_launcher`` has one
     (the planner asks it, as ampere_route's ``launcher``): the Gluon dK/dV kernel chosen for the
-    call with no override on either pass, head dim 64 or 128, no dropout, no determinism asked for
-    (``deterministic`` or torch.use_deterministic_algorithms: dQ is summed by reductions in
-    whatever order programs reach them), and FLASH_ATTENTION_FUSED_DQ's rule above."""
+    call with no override on either pass, a head dim configs.GLUON_FUSED_STAGES has a ring for
+    (64, 80, 96, 128), no dropout, no determinism asked for (``deterministic`` or
+    torch.use_deterministic_algorithms: dQ is summed by reductions in whatever order programs
+    reach them), and FLASH_ATTENTION_FUSED_DQ's rule above."""
     setting = os.environ.get("FLASH_ATTENTION_FUSED_DQ", "")
     # (``chosen`` first: it turns fake tensors away, whose symbolic head dim cannot key a dict)
     if (setting == "0" or options.deterministic or torch.are_deterministic_algorithms_enabled()
