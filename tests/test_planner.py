@@ -151,9 +151,9 @@ def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
 def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     """Hopper's backward in one kernel (hopper_route.fused_chosen): by default under the Triton
     releases, head dims and masks of FUSED_DQ_MIN_KEYS (3.9: d64, d128; 3.6-3.8 the same, d64 from
-    longer rows), one query head a KV head, from that many keys a row on average;
+    longer rows; d80 and d96 not yet), one query head a KV head, from that many keys a row on average;
     FLASH_ATTENTION_FUSED_DQ=1 wherever the kernel can take it (never with dropout, determinism,
-    another head dim, an override, or a Triton whose Gluon cannot build it), 0 never. Its plan:
+    a head dim GLUON_FUSED_STAGES lacks, an override, or a Triton whose Gluon cannot build it), 0 never. Its plan:
     one launch function for both passes, the package's preprocess, GLUON_FUSED_STAGES."""
     route, planner, configs = kernels.hopper_route, kernels.planner, kernels.configs
     launchers = {"fused": lambda *args: "fused"}
@@ -176,6 +176,7 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     # the default rule: the lengths an H200 measured it faster from (a row's mean visible keys)
     assert fused(seqlen=2048) and not fused(seqlen=1024) and fused(seqlen=1024, causal=False)
     assert fused(64, 1024) and not fused(64, 512) and fused(64, 512, causal=False)
+    assert not fused(80, 16384) and not fused(96, 16384, causal=False)  # (no release lists them yet)
     sinks = torch.zeros(2, device=DEVICE)
     for options in (dict(softcap=20.0), dict(window_left=512), dict(window_right=64, causal=False), dict(sinks=sinks),
                     dict(alibi_slopes=torch.ones(2, device=DEVICE)), dict(heads_kv=1)):
@@ -188,10 +189,12 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     assert not fused() and not fused(64, 2048)
     monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "1")  # wherever the kernel can take the call
     for options in (dict(softcap=20.0), dict(window_left=512), dict(sinks=sinks), dict(heads_kv=1), dict(seqlen=256),
-                    dict(head_dim=64, seqlen=128, causal=False)):
+                    dict(head_dim=64, seqlen=128, causal=False), dict(head_dim=80), dict(head_dim=96, causal=False)):
         assert fused(**options), options
-    for options in (dict(dropout_p=0.1), dict(deterministic=True), dict(head_dim=96), dict(head_dim=80)):
+    for options in (dict(dropout_p=0.1), dict(deterministic=True)):
         assert not fused(**options), options
+    monkeypatch.delitem(configs.GLUON_FUSED_STAGES, 96)  # (a head dim the fused kernel has no ring for)
+    assert not fused(96) and fused(80)
     with planner.override("bwd_dq", implementation="gluon"):
         assert not fused()
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
