@@ -151,7 +151,7 @@ def test_planner_gluon_decisions(kernels, gluon_fits, monkeypatch, head_dim):
 def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     """Hopper's backward in one kernel (hopper_route.fused_chosen): by default under the Triton
     releases, head dims and masks of FUSED_DQ_MIN_KEYS (3.9: d64, d128; 3.6-3.8 the same, d64 from
-    longer rows; d80 and d96 not yet), one query head a KV head, from that many keys a row on average;
+    longer rows; d80 and d96 from 2k keys a row), one query head a KV head, from that many keys a row on average;
     FLASH_ATTENTION_FUSED_DQ=1 wherever the kernel can take it (never with dropout, determinism,
     a head dim GLUON_FUSED_STAGES lacks, an override, or a Triton whose Gluon cannot build it), 0 never. Its plan:
     one launch function for both passes, the package's preprocess, GLUON_FUSED_STAGES."""
@@ -176,7 +176,7 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
     # the default rule: the lengths an H200 measured it faster from (a row's mean visible keys)
     assert fused(seqlen=2048) and not fused(seqlen=1024) and fused(seqlen=1024, causal=False)
     assert fused(64, 1024) and not fused(64, 512) and fused(64, 512, causal=False)
-    assert not fused(80, 16384) and not fused(96, 16384, causal=False)  # (no release lists them yet)
+    assert fused(80, 4096) and not fused(80, 2048) and fused(96, 2048, causal=False) and not fused(96, 1024, causal=False)
     sinks = torch.zeros(2, device=DEVICE)
     for options in (dict(softcap=20.0), dict(window_left=512), dict(window_right=64, causal=False), dict(sinks=sinks),
                     dict(alibi_slopes=torch.ones(2, device=DEVICE)), dict(heads_kv=1)):
@@ -185,6 +185,7 @@ def test_planner_fused_dq_rule(kernels, gluon_fits, monkeypatch):
         monkeypatch.setattr(route.triton, "__version__", release)
         assert fused(seqlen=2048) and not fused(seqlen=1024) and fused(64, 2048) and not fused(64, 1024)
         assert fused(seqlen=1024, causal=False) and not fused(seqlen=512, causal=False)
+        assert fused(96, 4096) and not fused(96, 2048) and fused(80, 2048, causal=False)
     monkeypatch.setattr(route.triton, "__version__", "3.5.1")
     assert not fused() and not fused(64, 2048)
     monkeypatch.setenv("FLASH_ATTENTION_FUSED_DQ", "1")  # wherever the kernel can take the call

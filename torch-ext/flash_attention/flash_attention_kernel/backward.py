@@ -90,9 +90,9 @@ def _attn_bwd_preprocess_kernel(
                      tile_base(DLse, batch, head, q_first, stride_stat_b, stride_stat_h, 1),
                      tile_base(Delta, batch, head, q_first, stride_stat_b, stride_stat_h, 1),
                      start_m, stride_om, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, HAS_DLSE)
-    if ZERO_DQ:
-        zeros = tl.zeros([BLOCK_M, DIM_A], dtype=tl.float32)
-        store_tile(tile_base(DqAcc, batch, head, q_first, stride_dqab, stride_dqah, stride_dqam), zeros, zeros,
+    if ZERO_DQ:  # (each chunk its own width: 64 + 16 at head dim 80, 64 + 32 at 96)
+        store_tile(tile_base(DqAcc, batch, head, q_first, stride_dqab, stride_dqah, stride_dqam),
+                   tl.zeros(do_a.shape, dtype=tl.float32), tl.zeros(do_b.shape, dtype=tl.float32),
                    start_m, stride_dqam, seqlen_q, BLOCK_M, HEAD_DIM, DIM_A, DIM_B, "ieee")
 
 

@@ -67,10 +67,16 @@ _loaded = {}  # module name -> the imported module, or None where its import fai
 # by TMA reductions (3.6 and 3.7 through hopper_gluon._tma_reduce_add). Under 3.6-3.8 the d128
 # causal kernel spilled more and ran 0.79-0.91x the two kernels (stops 64-65), 0.99-1.02x with one
 # masked loop (stop 66); with its resident tiles indexed in each tile (hopper_dkdv.OPAQUE_RESIDENT_RELEASES,
-# stop 71) it runs 1.03x the two kernels at 1k keys a row under 3.6 and 1.06x at 2k.
-_BEFORE_3_9 = {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024, (128, "causal"): 1024}
+# stop 71) it runs 1.03x the two kernels at 1k keys a row under 3.6 and 1.06x at 2k. Head dims 80
+# and 96 (dQ in two head-dim chunks, stop 75, H100, 3.6 and 3.9): 1.04-1.09x without a mask at 2k
+# keys a row, 1.10-1.20x at 16k, causal 0.96-1.02x at 1k keys a row and 1.10-1.16x at 8k; from 2k
+# keys a row either way (3.7 and 3.8 take 3.6's entries untimed: same kernel, compiled without spills).
+_ODD_HEAD_DIMS = {(80, "none"): 2048, (80, "causal"): 2048, (96, "none"): 2048, (96, "causal"): 2048}
+_BEFORE_3_9 = {(64, "none"): 1024, (64, "causal"): 1024, (128, "none"): 1024, (128, "causal"): 1024,
+               **_ODD_HEAD_DIMS}
 FUSED_DQ_MIN_KEYS = {  # release -> (head dim, mask) -> keys a row
-    "3.9.": {(64, "none"): 512, (64, "causal"): 512, (128, "none"): 1024, (128, "causal"): 1024},
+    "3.9.": {(64, "none"): 512, (64, "causal"): 512, (128, "none"): 1024, (128, "causal"): 1024,
+             **_ODD_HEAD_DIMS},
     "3.8.": _BEFORE_3_9,
     "3.7.": _BEFORE_3_9,
     "3.6.": _BEFORE_3_9,
