@@ -59,19 +59,20 @@ def test_helpers_compile(head_dim, arch):
 
 @pytest.mark.parametrize("head_dim", FUSED_HEAD_DIMS)
 def test_helpers_zero_make_delta_and_convert(fa, head_dim):
-    backward = fa.flash_attention_kernel.backward
-    dim_a, dim_b = fa.flash_attention_kernel.configs.head_dim_chunks(head_dim)
+    kernels = fa.flash_attention_kernel
+    backward = kernels.backward
+    dim_a, dim_b = kernels.configs.head_dim_chunks(head_dim)
     batch, seqlen, heads, block = 2, 113, 3, 64 if ON_GPU else 32
     out, dout = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     dlse = torch.randn(batch, heads, seqlen, device=DEVICE)
     delta = torch.full_like(dlse, float("nan"))
     accumulator = torch.full((batch, seqlen, heads, head_dim), float("nan"), device=DEVICE)
     grid = (triton.cdiv(seqlen, block), heads, batch)
-    strides = lambda x: (x.stride(0), x.stride(2), x.stride(1))  # noqa: E731  (batch, head, row)
+    layout = kernels.launch.SequenceLayout.of(out, out)  # (the strides as the launcher passes them)
     backward._attn_bwd_preprocess_kernel[grid](
-        out, dout, dlse, delta, accumulator, None, 0, *strides(out), *strides(dout), *strides(accumulator),
-        *dlse.stride()[:2], seqlen, HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b, BLOCK_M=block, HAS_DLSE=True,
-        IS_VARLEN=False, ZERO_DQ=True)
+        out, dout, dlse, delta, accumulator, None, 0, *layout.strides(out), *layout.strides(dout),
+        *layout.strides(accumulator), *layout.stat_strides(dlse), seqlen, HEAD_DIM=head_dim, DIM_A=dim_a, DIM_B=dim_b,
+        BLOCK_M=block, HAS_DLSE=True, IS_VARLEN=False, ZERO_DQ=True)
     assert torch.equal(accumulator, torch.zeros_like(accumulator))
     expected = (out.float() * dout.float()).sum(-1).transpose(1, 2) - dlse
     torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-4)
@@ -79,6 +80,6 @@ def test_helpers_zero_make_delta_and_convert(fa, head_dim):
     accumulator.normal_()
     dq = torch.full_like(out, float("nan"))
     backward._dq_from_accumulator_kernel[grid](
-        accumulator, dq, *strides(accumulator), *strides(dq), seqlen, BLOCK_M=block, HEAD_DIM=head_dim,
-        DIM_A=dim_a, DIM_B=dim_b, PRECISION=fa.flash_attention_kernel.launch.precision_mode(torch.bfloat16, not ON_GPU))
+        accumulator, dq, *layout.strides(accumulator), *layout.strides(dq), seqlen, BLOCK_M=block, HEAD_DIM=head_dim,
+        DIM_A=dim_a, DIM_B=dim_b, PRECISION=kernels.launch.precision_mode(torch.bfloat16, not ON_GPU))
     assert torch.equal(dq, accumulator.to(torch.bfloat16))
